@@ -1,0 +1,6 @@
+"""mgbench: measure batch-invariance of greedy LLM decoding and the MarginGate policy."""
+
+__version__ = "0.1.0"
+
+# Bumped whenever a column of steps.parquet / sequences.parquet changes meaning or type.
+SCHEMA_VERSION = "1"

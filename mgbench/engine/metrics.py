@@ -1,0 +1,46 @@
+"""Per-step metrics on logits: margins, flips, logit and K/V distances (all float32)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def top2_margin(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-1 minus top-2 logit, top-1 logit) per row, in float32."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1], top[..., 0]
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """BF16 spacing at |x|: bf16 keeps 8 significant bits, so ulp = 2**(exponent - 8) with frexp's exponent."""
+    exponent = torch.frexp(x.float().abs()).exponent
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exponent - 8)
+
+
+def step_metrics(batched_logits: torch.Tensor, solo_logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Compare batched vs solo logits of one step, row by row ([B, vocab] each)."""
+    margin, top1 = top2_margin(batched_logits)
+    solo_margin, _ = top2_margin(solo_logits)
+    batched_token = batched_logits.argmax(-1)
+    solo_token = solo_logits.argmax(-1)
+    return {
+        "batched_token": batched_token,
+        "solo_token": solo_token,
+        "flipped": batched_token != solo_token,
+        "margin": margin,
+        "margin_ulp": margin / bf16_ulp(top1),
+        "solo_margin": solo_margin,
+        "max_abs_logit_diff": (batched_logits.float() - solo_logits.float()).abs().amax(-1),
+    }
+
+
+def kv_relative_delta(batched: torch.Tensor, solo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Relative L2 distance per column between K/V stacks [layers, 2, heads, steps, dim].
+
+    Returns (mean over layers, max over layers), each [steps].
+    """
+    b, s = batched.float(), solo.float()
+    diff = (b - s).pow(2).sum(dim=(1, 2, 4)).sqrt()
+    norm = s.pow(2).sum(dim=(1, 2, 4)).sqrt().clamp(min=torch.finfo(torch.float32).tiny)
+    rel = diff / norm  # [layers, steps]
+    return rel.mean(0), rel.amax(0)
