@@ -156,7 +156,9 @@ def load_model(name: str, dtype: str = "bf16", device: str = "auto", attn: str =
     source = resolve_source(name)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # mgbench draws its own progress; the loader's bar is noise
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(

@@ -1,0 +1,95 @@
+"""Analysis as pure functions on tables (pandas in, pandas or plain dicts out).
+
+Nothing here imports torch or the engine, so run directories recorded elsewhere (a GPU box)
+are analysed anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+KV_WINDOW = 8
+
+
+def _finite(value: float) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def margin_quantiles(steps: pd.DataFrame, column: str = "margin") -> pd.DataFrame:
+    """Quantiles of a margin column at flip and at non-flip steps: rows flip/non-flip, columns q."""
+    groups = {"flip": steps.loc[steps["flipped"], column], "non-flip": steps.loc[~steps["flipped"], column]}
+    table = pd.DataFrame(
+        {name: [values.quantile(q) if len(values) else float("nan") for q in QUANTILES] for name, values in groups.items()},
+        index=[f"q{int(q * 100):02d}" for q in QUANTILES],
+    ).T
+    table["count"] = [len(v) for v in groups.values()]
+    return table
+
+
+def rates_by_batch_size(steps: pd.DataFrame, sequences: pd.DataFrame) -> pd.DataFrame:
+    """Per batch size: teacher-forced steps, flips, flip rate, sequences, diverged, determinism."""
+    per_steps = steps.groupby("batch_size").agg(steps=("flipped", "size"), flips=("flipped", "sum"))
+    per_seq = sequences.groupby("batch_size").agg(sequences=("identical", "size"), identical=("identical", "sum"))
+    table = per_steps.join(per_seq, how="outer").fillna(0).astype(int)
+    table["flip_rate"] = table["flips"] / table["steps"].where(table["steps"] > 0)
+    table["sequences_diverged"] = table["sequences"] - table["identical"]
+    table["determinism"] = table["identical"] / table["sequences"].where(table["sequences"] > 0)
+    return table.reset_index()
+
+
+def kv_before_flips(steps: pd.DataFrame, window: int = KV_WINDOW) -> pd.DataFrame:
+    """K/V perturbation at each offset (-window..0) from every flip, against the run's overall level.
+
+    Answers "does the K/V drift before a flip, or stay flat?": a flat profile near the overall
+    median means the flip is not announced by the cache.
+    """
+    level = steps.set_index(["batch_id", "row", "step"])["kv_delta_mean"]
+    flips = steps.loc[steps["flipped"], ["batch_id", "row", "step"]]
+    rows = []
+    for offset in range(-window, 1):
+        index = pd.MultiIndex.from_arrays([flips["batch_id"], flips["row"], flips["step"] + offset])
+        values = level.reindex(index).dropna()
+        rows.append({"offset": offset, "flips": len(values), "kv_delta_mean": values.mean() if len(values) else float("nan"),
+                     "kv_delta_median": values.median() if len(values) else float("nan")})
+    table = pd.DataFrame(rows)
+    table.attrs["overall_mean"] = float(steps["kv_delta_mean"].mean()) if len(steps) else float("nan")
+    table.attrs["overall_median"] = float(steps["kv_delta_mean"].median()) if len(steps) else float("nan")
+    return table
+
+
+def batch_pad_lengths(sequences: pd.DataFrame) -> pd.DataFrame:
+    """One row per batch: its size and the pad length of each row, in row order."""
+    ordered = sequences.sort_values(["batch_id", "row"])
+    return ordered.groupby("batch_id").agg(batch_size=("batch_size", "first"), pad_lens=("pad_len", list)).reset_index()
+
+
+def summarize_flips(steps: pd.DataFrame, sequences: pd.DataFrame) -> dict:
+    """The headline figures of a flips run (summary.json and the terminal report)."""
+    flips = int(steps["flipped"].sum())
+    diverged = int((~sequences["identical"]).sum())
+    summary = {
+        "steps": int(len(steps)),
+        "flips": flips,
+        "flip_rate": flips / len(steps) if len(steps) else None,
+        "sequences": int(len(sequences)),
+        "sequences_diverged": diverged,
+        "determinism": 1 - diverged / len(sequences) if len(sequences) else None,
+    }
+    for column, unit in (("margin", "logit"), ("margin_ulp", "ulp")):
+        quantiles = margin_quantiles(steps, column)
+        for group in quantiles.index:
+            key = f"margin_{unit}_quantiles_{group.replace('-', '_')}"
+            summary[key] = {q: _finite(quantiles.loc[group, q]) for q in quantiles.columns if q != "count"}
+    kv = kv_before_flips(steps)
+    summary["kv_delta_overall_median"] = _finite(kv.attrs["overall_median"])
+    summary["kv_delta_before_flips"] = [
+        {"offset": int(r.offset), "flips": int(r.flips), "kv_delta_median": _finite(r.kv_delta_median)} for r in kv.itertuples()
+    ]
+    summary["by_batch_size"] = [
+        {k: (_finite(v) if isinstance(v, float) else int(v)) for k, v in row.items()}
+        for row in rates_by_batch_size(steps, sequences).to_dict("records")
+    ]
+    return summary

@@ -1,0 +1,200 @@
+"""The `mgbench` command line. The only place that turns errors into messages and exit codes."""
+
+from __future__ import annotations
+
+import re
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .config import RunOptions, parse_batch_sizes
+from .errors import UserError
+from .models import DEFAULT_MODEL, REGISTRY
+
+app = typer.Typer(
+    help="Audit and benchmark batch-invariance of greedy LLM decoding (MarginGate).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+@contextmanager
+def user_errors(debug: bool):
+    """Bad input -> one line on stderr and exit code 2 (the traceback only with --debug)."""
+    try:
+        yield
+    except UserError as exc:
+        if debug:
+            err_console.print_exception()
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        err_console.print("[bold red]interrupted:[/] nothing was published")
+        raise typer.Exit(130) from None
+
+
+def default_out(command: str, model: str, dataset: str) -> Path:
+    slug = lambda text: re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(text).name if Path(text).exists() else text)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("reports") / f"{command}-{slug(model)}-{slug(dataset)}-{stamp}"
+
+
+def progress_bar() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=False,
+    )
+
+
+ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias (`mgbench models`), local folder or hub id.")
+DatasetOpt = typer.Option("math500", "--dataset", "-d", help="Config name (`mgbench datasets`) or path to a .toml config.")
+LimitOpt = typer.Option(None, "--limit", "-n", help="Decode a seeded sample of N requests (default: all).")
+SeedOpt = typer.Option(0, "--seed", help="Seed of the --limit sample.")
+BatchSizeOpt = typer.Option(8, "--batch-size", "-b", help="Batch size of the batched runs.")
+BatchSizesOpt = typer.Option(None, "--batch-sizes", help="Sweep several batch sizes, e.g. 1,4,16 (overrides --batch-size).")
+MaxNewOpt = typer.Option(None, "--max-new-tokens", help="Tokens to generate per request (default: the dataset's).")
+PrefillOpt = typer.Option("alone", "--prefill", help="`alone`: prefill each request at batch size 1, batch the decode steps (as serving engines do); `batched`: one left-padded prefill.")
+SortOpt = typer.Option(False, "--sort-by-length/--no-sort-by-length", help="Batch requests longest-first to shrink padding (default: arrival order).")
+DtypeOpt = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32.")
+DeviceOpt = typer.Option("auto", "--device", help="auto (cuda if available), cpu, cuda, cuda:N.")
+AttnOpt = typer.Option("sdpa", "--attn", help="Attention implementation: sdpa or eager.")
+OutOpt = typer.Option(None, "--out", "-o", help="Run directory (default: reports/<command>-<model>-<dataset>-<time>/).")
+DebugOpt = typer.Option(False, "--debug", help="Show the traceback of an error.")
+
+
+@app.command()
+def flips(
+    model: str = ModelOpt,
+    dataset: str = DatasetOpt,
+    limit: Optional[int] = LimitOpt,
+    seed: int = SeedOpt,
+    batch_size: int = BatchSizeOpt,
+    batch_sizes: Optional[str] = BatchSizesOpt,
+    max_new_tokens: Optional[int] = MaxNewOpt,
+    prefill: str = PrefillOpt,
+    sort_by_length: bool = SortOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    attn: str = AttnOpt,
+    out: Optional[Path] = OutOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Audit flips: decode each request alone and inside batches, compare token by token.
+
+    Teacher-forced batched decoding (fed the solo tokens) counts **flips** (batched argmax !=
+    solo argmax) with their top-1/top-2 margins and K/V perturbation; free-running batched
+    decoding measures sequence-level determinism. Writes steps.parquet, sequences.parquet,
+    summary.json and manifest.json.
+
+    Examples:
+
+        mgbench flips --limit 8 --max-new-tokens 32
+
+        mgbench flips --dataset gsm8k --limit 16 --batch-sizes 1,4,16 --out runs/gsm8k
+
+        mgbench flips --model llama-3.1-8b --dataset math500 --batch-size 64 --device cuda
+    """
+    with user_errors(debug):
+        sizes = parse_batch_sizes(batch_sizes) if batch_sizes else (batch_size,)
+        options = RunOptions(
+            model=model, dataset=dataset, limit=limit, seed=seed, batch_sizes=sizes,
+            max_new_tokens=max_new_tokens, prefill=prefill, sort_by_length=sort_by_length,
+            dtype=dtype, device=device, attn=attn,
+        )
+        _run_flips(options, out or default_out("flips", model, dataset))
+
+
+def _run_flips(options: RunOptions, out: Path) -> None:
+    # Imported here so that `--help` and input errors answer without loading torch.
+    from . import analysis, data, report, results
+    from .audit import run_audit
+    from .models import load_model
+
+    config = data.load_config(options.dataset)
+    requests = data.select_requests(config, data.read_records(config), options.limit, options.seed)
+    max_new_tokens = options.max_new_tokens or config.max_new_tokens
+    results.prepare_out_dir(out)
+
+    with err_console.status(f"loading {options.model}"):
+        lm = load_model(options.model, options.dtype, options.device, options.attn)
+    prompts = [data.encode(lm.tokenizer, config, request.text) for request in requests]
+
+    with progress_bar() as progress:
+        tasks = {
+            "solo": progress.add_task("solo (batch size 1)", total=len(requests)),
+            "batched": progress.add_task("batched (forced + free)", total=len(requests) * len(options.batch_sizes)),
+        }
+        records = run_audit(
+            lm.model, lm.tokenizer, requests, prompts, options, max_new_tokens, config.name, lm.device,
+            on_progress=lambda phase, n: progress.advance(tasks[phase], n),
+        )
+
+    steps = results.steps_table(records.steps, options.model, config.name)
+    sequences = results.sequences_table(records.sequences, options.model)
+    steps_df, sequences_df = steps.to_pandas(), sequences.to_pandas()
+    batched_tps = {str(b): records.batched_tokens[b] / s if s > 0 else None for b, s in records.batched_seconds.items()}
+    summary = {
+        "model": options.model,
+        "dataset": config.name,
+        "prefill": options.prefill,
+        "max_new_tokens": max_new_tokens,
+        "batch_sizes": list(options.batch_sizes),
+        **analysis.summarize_flips(steps_df, sequences_df),
+        "solo_tokens_per_s": records.solo_tokens / records.solo_seconds if records.solo_seconds > 0 else None,
+        "batched_tokens_per_s": sum(records.batched_tokens.values()) / sum(records.batched_seconds.values())
+        if sum(records.batched_seconds.values()) > 0 else None,
+        "batched_tokens_per_s_by_batch_size": batched_tps,
+    }
+    run_manifest = results.manifest(
+        "flips", {**asdict(options), "max_new_tokens": max_new_tokens}, lm.device,
+        {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source, "dataset_config": asdict(config)},
+    )
+    results.publish_run(out, {"steps": steps, "sequences": sequences}, {"summary": summary, "manifest": run_manifest})
+    report.render_flips(console, summary, analysis.batch_pad_lengths(sequences_df))
+    console.print(f"results: [bold]{out}[/]")
+
+
+@app.command()
+def models() -> None:
+    """List the model aliases (any local folder or hub id in the local cache works too)."""
+    table = Table(title="models")
+    for column in ("alias", "hub id", "notes"):
+        table.add_column(column)
+    for spec in REGISTRY.values():
+        table.add_row(spec.alias + (" (default)" if spec.alias == DEFAULT_MODEL else ""), spec.hub_id, spec.description)
+    console.print(table)
+
+
+@app.command()
+def datasets(debug: bool = DebugOpt) -> None:
+    """List the dataset configs under datasets_cfg/ (pass a .toml path for your own)."""
+    from .data import config_paths, load_config
+
+    with user_errors(debug):
+        table = Table(title="datasets")
+        for column in ("name", "source", "prompt field", "chat template", "max new tokens", "description"):
+            table.add_column(column)
+        for name in config_paths():
+            config = load_config(name)
+            table.add_row(name, f"{config.kind}: {config.location}", config.prompt_field,
+                          str(config.chat_template), str(config.max_new_tokens), config.description)
+        console.print(table)
+
+
+def main() -> None:  # pragma: no cover - `python -m mgbench`
+    app(prog_name="mgbench")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Arrow tables with a versioned schema, and run directories published atomically.
+
+A run directory holds steps.parquet, sequences.parquet, summary.json and manifest.json. It is
+written into a hidden staging folder beside the target and renamed into place at the end, so
+a crash never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import SCHEMA_VERSION, __version__
+from .errors import UserError
+
+SCHEMA_KEY = b"mgbench.schema_version"
+
+STEP_FIELDS = [
+    ("model", pa.string()),
+    ("dataset", pa.string()),
+    ("request_id", pa.int64()),
+    ("batch_id", pa.int32()),
+    ("row", pa.int32()),
+    ("batch_size", pa.int32()),
+    ("pad_len", pa.int32()),
+    ("step", pa.int32()),
+    ("solo_token", pa.int64()),
+    ("batched_token", pa.int64()),
+    ("flipped", pa.bool_()),
+    ("margin", pa.float32()),
+    ("margin_ulp", pa.float32()),
+    ("solo_margin", pa.float32()),
+    ("max_abs_logit_diff", pa.float32()),
+    ("kv_delta_mean", pa.float32()),
+    ("kv_delta_max", pa.float32()),
+]
+
+SEQUENCE_FIELDS = [
+    ("model", pa.string()),
+    ("dataset", pa.string()),
+    ("request_id", pa.int64()),
+    ("batch_id", pa.int32()),
+    ("row", pa.int32()),
+    ("batch_size", pa.int32()),
+    ("pad_len", pa.int32()),
+    ("prompt_len", pa.int32()),
+    ("prompt_ids", pa.list_(pa.int32())),
+    ("solo_ids", pa.list_(pa.int32())),
+    ("batched_ids", pa.list_(pa.int32())),
+    ("first_divergence", pa.int32()),
+    ("identical", pa.bool_()),
+    ("policy", pa.string()),
+    ("triggers", pa.int32()),
+    ("repairs", pa.int32()),
+]
+
+
+def _schema(fields) -> pa.Schema:
+    return pa.schema(fields, metadata={SCHEMA_KEY: SCHEMA_VERSION.encode()})
+
+
+STEPS_SCHEMA = _schema(STEP_FIELDS)
+SEQUENCES_SCHEMA = _schema(SEQUENCE_FIELDS)
+
+
+def steps_table(row_columns: list[dict], model: str, dataset: str) -> pa.Table:
+    """Concatenate per-row column dicts (numpy arrays) into the steps table."""
+    n = sum(len(r["step"]) for r in row_columns)
+    columns = {"model": [model] * n, "dataset": [dataset] * n}
+    for name, _ in STEP_FIELDS[2:]:
+        columns[name] = np.concatenate([r[name] for r in row_columns]) if row_columns else np.array([])
+    return pa.Table.from_pydict(columns, schema=STEPS_SCHEMA)
+
+
+def sequences_table(rows: list[dict], model: str, policy: str = "none") -> pa.Table:
+    full = [{"model": model, "policy": policy, **row} for row in rows]
+    return pa.Table.from_pylist(full, schema=SEQUENCES_SCHEMA)
+
+
+def read_table(path: Path, expected: pa.Schema) -> pa.Table:
+    """Read a table written by mgbench, refusing foreign or newer-schema files with a clear error."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise UserError(f"{path} is not a readable Parquet file ({exc})") from exc
+    version = (table.schema.metadata or {}).get(SCHEMA_KEY)
+    if version is None:
+        raise UserError(f"{path} was not written by mgbench (no {SCHEMA_KEY.decode()} metadata)")
+    if version.decode() != SCHEMA_VERSION:
+        raise UserError(f"{path} has schema version {version.decode()}; this mgbench reads {SCHEMA_VERSION}")
+    missing = [name for name in expected.names if name not in table.schema.names]
+    if missing:
+        raise UserError(f"{path} lacks columns {', '.join(missing)}")
+    return table
+
+
+def git_revision() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()})"
+
+
+def manifest(command: str, options: dict, device: str, extra: dict | None = None) -> dict:
+    import torch
+    import transformers
+
+    return {
+        "mgbench_version": __version__,
+        "schema_version": SCHEMA_VERSION,
+        "command": command,
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "options": options,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+        "device_name": device_name(device),
+        "torch_threads": torch.get_num_threads(),
+        "git_revision": git_revision(),
+        **(extra or {}),
+    }
+
+
+def prepare_out_dir(out: Path) -> None:
+    """Fail early (before any decoding) when the run directory cannot be published."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} already exists and is not empty; choose another directory or remove it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot create its parent directory ({exc.strerror})") from exc
+    if not os.access(out.parent, os.W_OK):
+        raise UserError(f"--out {out}: directory {out.parent} is not writable")
+
+
+def publish_run(out: Path, tables: dict[str, pa.Table], documents: dict[str, dict], write_extra=None) -> Path:
+    """Write tables (Parquet) and documents (JSON) into a staging folder, then rename it to `out`.
+
+    `write_extra(staging_dir)` may add files (plots, report.md) before publication.
+    """
+    prepare_out_dir(out)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        for name, table in tables.items():
+            pq.write_table(table, staging / f"{name}.parquet")
+        for name, document in documents.items():
+            (staging / f"{name}.json").write_text(json.dumps(document, indent=2, default=_json_default) + "\n")
+        if write_extra is not None:
+            write_extra(staging)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _json_default(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
