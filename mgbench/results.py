@@ -25,6 +25,8 @@ from . import SCHEMA_VERSION, __version__
 from .errors import UserError
 
 SCHEMA_KEY = b"mgbench.schema_version"
+# Parquet names list items "element": declaring it so keeps the schema equal after a round trip.
+TOKEN_IDS = pa.list_(pa.field("element", pa.int32()))
 
 STEP_FIELDS = [
     ("model", pa.string()),
@@ -55,9 +57,9 @@ SEQUENCE_FIELDS = [
     ("batch_size", pa.int32()),
     ("pad_len", pa.int32()),
     ("prompt_len", pa.int32()),
-    ("prompt_ids", pa.list_(pa.int32())),
-    ("solo_ids", pa.list_(pa.int32())),
-    ("batched_ids", pa.list_(pa.int32())),
+    ("prompt_ids", TOKEN_IDS),
+    ("solo_ids", TOKEN_IDS),
+    ("batched_ids", TOKEN_IDS),
     ("first_divergence", pa.int32()),
     ("identical", pa.bool_()),
     ("policy", pa.string()),

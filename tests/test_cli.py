@@ -1,0 +1,93 @@
+"""The CLI end to end: bad input exits 2 with one line; a real run writes the contract's files,
+and an identical rerun writes identical step tables."""
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from mgbench.cli import app
+
+runner = CliRunner()
+
+STEP_COLUMNS = ["request_id", "batch_id", "row", "batch_size", "pad_len", "step", "solo_token", "batched_token",
+                "flipped", "margin", "margin_ulp", "solo_margin", "max_abs_logit_diff", "kv_delta_mean", "kv_delta_max"]
+SEQUENCE_COLUMNS = ["request_id", "dataset", "prompt_ids", "solo_ids", "batched_ids", "first_divergence", "identical"]
+SUMMARY_KEYS = ["steps", "flips", "flip_rate", "sequences", "sequences_diverged", "solo_tokens_per_s",
+                "batched_tokens_per_s", "margin_logit_quantiles_flip", "margin_logit_quantiles_non_flip"]
+
+
+def bad(args, message):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_unknown_model_alias(tmp_path):
+    bad(["flips", "--model", "no-such-model", "--limit", "1", "--out", str(tmp_path / "o")], "unknown model")
+
+
+def test_unknown_dataset(tmp_path):
+    bad(["flips", "--dataset", "no-such-dataset", "--out", str(tmp_path / "o")], "unknown dataset")
+
+
+def test_missing_dataset_file(tmp_path):
+    config = tmp_path / "gone.toml"
+    config.write_text('name = "gone"\n[source]\nkind = "file"\npath = "gone.jsonl"\n[prompt]\nfield = "q"\n')
+    bad(["flips", "--dataset", str(config), "--out", str(tmp_path / "o")], "does not exist")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch-size", "0"], "batch size must be at least 1"),
+    (["--batch-sizes", "4,x"], "comma-separated integers"),
+    (["--limit", "0"], "--limit must be at least 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--prefill", "sideways"], "--prefill"),
+    (["--dtype", "int3"], "--dtype"),
+])
+def test_bad_option_values(tmp_path, args, message):
+    bad(["flips", *args, "--out", str(tmp_path / "o")], message)
+
+
+def test_non_empty_out_dir(tmp_path):
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "keep").write_text("x")
+    bad(["flips", "--limit", "1", "--out", str(tmp_path / "o")], "not empty")
+
+
+def test_listings():
+    assert "smollm2-135m" in runner.invoke(app, ["models"]).output
+    listing = runner.invoke(app, ["datasets"])
+    assert listing.exit_code == 0 and "sharegpt" in listing.output
+
+
+def run_flips(out):
+    command = [sys.executable, "-m", "mgbench", "flips", "--model", "smollm2-135m", "--dataset", "gsm8k",
+               "--limit", "3", "--batch-size", "3", "--max-new-tokens", "10", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+@pytest.mark.slow
+def test_flips_end_to_end_on_default_model_is_reproducible(tmp_path):
+    first = run_flips(tmp_path / "a")
+    assert "flip rate" in first.stdout
+    run_flips(tmp_path / "b")
+    steps_a, steps_b = (pd.read_parquet(tmp_path / run / "steps.parquet") for run in ("a", "b"))
+    assert set(STEP_COLUMNS) <= set(steps_a.columns)
+    assert len(steps_a) > 0
+    pd.testing.assert_frame_equal(steps_a, steps_b)
+    sequences = pd.read_parquet(tmp_path / "a" / "sequences.parquet")
+    assert set(SEQUENCE_COLUMNS) <= set(sequences.columns) and len(sequences) == 3
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert set(SUMMARY_KEYS) <= set(summary)
+    assert summary["steps"] == len(steps_a) and summary["flips"] == int(steps_a["flipped"].sum())
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    for key in ("torch", "transformers", "device", "dtype", "attn", "argv", "git_revision", "options"):
+        assert key in manifest
