@@ -69,7 +69,7 @@ SortOpt = typer.Option(False, "--sort-by-length/--no-sort-by-length", help="Batc
 DtypeOpt = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32.")
 DeviceOpt = typer.Option("auto", "--device", help="auto (cuda if available), cpu, cuda, cuda:N.")
 AttnOpt = typer.Option("sdpa", "--attn", help="Attention implementation: sdpa or eager.")
-OutOpt = typer.Option(None, "--out", "-o", help="Run directory (default: reports/<command>-<model>-<dataset>-<time>/).")
+OutOpt = typer.Option(None, "--out", "-o", help="Run directory (default: reports/COMMAND-MODEL-DATASET-TIME/).")
 DebugOpt = typer.Option(False, "--debug", help="Show the traceback of an error.")
 
 

@@ -128,7 +128,7 @@ def run_free(
     device = prompts[0].device
     batch = len(prompts)
     prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
-    eos = torch.tensor(sorted(eos_ids), device=device)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
 
     logits, cache, mask, pads = prefill_for_batch(model, prompts, solos, prefill, pad_id)
     active = torch.ones(batch, dtype=torch.bool, device=device)
