@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import sys
 from contextlib import contextmanager
-from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -115,53 +114,39 @@ def flips(
         _run_flips(options, out or default_out("flips", model, dataset))
 
 
-def _run_flips(options: RunOptions, out: Path) -> None:
-    # Imported here so that `--help` and input errors answer without loading torch.
-    from . import analysis, data, report, results
-    from .audit import run_audit
+def load_with_status(options: RunOptions):
     from .models import load_model
 
-    config = data.load_config(options.dataset)
-    requests = data.select_requests(config, data.read_records(config), options.limit, options.seed)
-    max_new_tokens = options.max_new_tokens or config.max_new_tokens
-    results.prepare_out_dir(out)
-
     with err_console.status(f"loading {options.model}"):
-        lm = load_model(options.model, options.dtype, options.device, options.attn)
-    prompts = [data.encode(lm.tokenizer, config, request.text) for request in requests]
+        return load_model(options.model, options.dtype, options.device, options.attn)
+
+
+def record_with_progress(lm, run, out: Path) -> dict:
+    """One flips recording with progress bars for its solo and batched passes."""
+    from .flips import record_flips
 
     with progress_bar() as progress:
         tasks = {
-            "solo": progress.add_task("solo (batch size 1)", total=len(requests)),
-            "batched": progress.add_task("batched (forced + free)", total=len(requests) * len(options.batch_sizes)),
+            "solo": progress.add_task(f"{run.config.name}: solo (batch size 1)", total=len(run.requests)),
+            "batched": progress.add_task(f"{run.config.name}: batched (forced + free)",
+                                         total=len(run.requests) * len(run.options.batch_sizes)),
         }
-        records = run_audit(
-            lm.model, lm.tokenizer, requests, prompts, options, max_new_tokens, config.name, lm.device,
-            on_progress=lambda phase, n: progress.advance(tasks[phase], n),
-        )
+        return record_flips(lm, run, out, lambda phase, n: progress.advance(tasks[phase], n))
 
-    steps = results.steps_table(records.steps, options.model, config.name)
-    sequences = results.sequences_table(records.sequences, options.model)
-    steps_df, sequences_df = steps.to_pandas(), sequences.to_pandas()
-    batched_tps = {str(b): records.batched_tokens[b] / s if s > 0 else None for b, s in records.batched_seconds.items()}
-    summary = {
-        "model": options.model,
-        "dataset": config.name,
-        "prefill": options.prefill,
-        "max_new_tokens": max_new_tokens,
-        "batch_sizes": list(options.batch_sizes),
-        **analysis.summarize_flips(steps_df, sequences_df),
-        "solo_tokens_per_s": records.solo_tokens / records.solo_seconds if records.solo_seconds > 0 else None,
-        "batched_tokens_per_s": sum(records.batched_tokens.values()) / sum(records.batched_seconds.values())
-        if sum(records.batched_seconds.values()) > 0 else None,
-        "batched_tokens_per_s_by_batch_size": batched_tps,
-    }
-    run_manifest = results.manifest(
-        "flips", {**asdict(options), "max_new_tokens": max_new_tokens}, lm.device,
-        {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source, "dataset_config": asdict(config)},
-    )
-    results.publish_run(out, {"steps": steps, "sequences": sequences}, {"summary": summary, "manifest": run_manifest})
-    report.render_flips(console, summary, analysis.batch_pad_lengths(sequences_df))
+
+def _run_flips(options: RunOptions, out: Path) -> None:
+    # Imported here so that `--help` and input errors answer without loading torch.
+    import pandas as pd
+
+    from . import analysis, report, results
+    from .flips import prepare
+
+    run = prepare(options)
+    results.prepare_out_dir(out)
+    lm = load_with_status(options)
+    summary = record_with_progress(lm, run, out)
+    sequences = pd.read_parquet(out / "sequences.parquet")
+    report.render_flips(console, summary, analysis.batch_pad_lengths(sequences))
     console.print(f"results: [bold]{out}[/]")
 
 
