@@ -151,6 +151,112 @@ def _run_flips(options: RunOptions, out: Path) -> None:
 
 
 @app.command()
+def calibrate(
+    runs: Optional[list[Path]] = typer.Argument(None, help="flips run directories to calibrate on (no model is loaded)."),
+    model: str = ModelOpt,
+    dataset: str = DatasetOpt,
+    limit: int = typer.Option(32, "--limit", "-n", help="Requests per recorded dataset."),
+    seed: int = SeedOpt,
+    batch_size: int = BatchSizeOpt,
+    batch_sizes: Optional[str] = BatchSizesOpt,
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens per request when recording traces."),
+    prefill: str = PrefillOpt,
+    sort_by_length: bool = SortOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    attn: str = AttnOpt,
+    safety: str = typer.Option("x1.5", "--safety", help="Widening of the minimal TAU: xF multiplies, +D adds (in the unit)."),
+    unit: str = typer.Option("logit", "--unit", help="Margin unit written to calibration.json: logit (raw, as the paper) or ulp."),
+    confidence: float = typer.Option(0.95, "--confidence", help="Level of the one-sided Clopper-Pearson bound on misses."),
+    transfer: Optional[str] = typer.Option(None, "--transfer", help="Comma-separated datasets or run dirs to test the TAU on."),
+    require_flips: bool = typer.Option(False, "--require-flips", help="Exit 1 when the traces hold no flip."),
+    out: Optional[Path] = OutOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Calibrate the MarginGate threshold: the smallest TAU whose gate (margin < TAU) catches every flip.
+
+    Traces come from flips run directories, or are recorded first with the same engine as
+    `mgbench flips` (cached under $MGBENCH_CACHE/traces; an identical request reuses them).
+    Reports TAU in raw logits and in BF16 ulps, the trigger rate each needs, recall and trigger
+    rate on --transfer datasets, and a bound on the probability of a missed flip. Writes
+    calibration.json (read by `verify --threshold-from`), curve.parquet, curve.png, margins.png.
+
+    Examples:
+
+        mgbench calibrate --dataset math500
+
+        mgbench calibrate --dataset math500 --transfer gsm8k,humaneval,sharegpt
+
+        mgbench calibrate runs/math500-b8 runs/math500-b16 --unit ulp --safety +1
+    """
+    with user_errors(debug):
+        from .calibration import SafetyRule
+        from .calibrate_run import CalibrateOptions
+
+        sizes = parse_batch_sizes(batch_sizes) if batch_sizes else (batch_size,)
+        record_options = RunOptions(
+            model=model, dataset=dataset, limit=limit, seed=seed, batch_sizes=sizes, max_new_tokens=max_new_tokens,
+            prefill=prefill, sort_by_length=sort_by_length, dtype=dtype, device=device, attn=attn,
+        )
+        options = CalibrateOptions(SafetyRule.parse(safety), unit, confidence)
+        transfer_items = [item.strip() for item in (transfer or "").split(",") if item.strip()]
+        target = out or default_out("calibrate", model, "+".join(str(r) for r in runs) if runs else dataset)
+        code = _run_calibrate(list(runs or []), record_options, options, transfer_items, require_flips, target)
+    raise typer.Exit(code)
+
+
+def _run_calibrate(runs, record_options, options, transfer_items, require_flips, out) -> int:
+    from dataclasses import asdict, replace
+
+    import pandas as pd
+
+    from . import calibrate_run, report, results
+    from .flips import prepare
+
+    results.prepare_out_dir(out)
+    loaded = {}
+
+    def record(opts: RunOptions, folder: Path) -> None:
+        run = prepare(opts)
+        if "lm" not in loaded:
+            loaded["lm"] = load_with_status(opts)
+        record_with_progress(loaded["lm"], run, folder)
+
+    def traces(item: str):
+        path = Path(item)
+        if path.exists():
+            return results.read_steps(path), str(path)
+        steps, folder, reused = calibrate_run.traces_for(replace(record_options, dataset=item), record)
+        err_console.print(f"{item}: {'reused cached' if reused else 'recorded'} traces in {folder}", highlight=False)
+        return steps, folder
+
+    if runs:
+        tables = [traces(str(run)) for run in runs]
+        steps = pd.concat([t for t, _ in tables], ignore_index=True)
+        sources = [s for _, s in tables]
+    else:
+        steps, source = traces(record_options.dataset)
+        sources = [source]
+    transfer = {}
+    for item in transfer_items:
+        table, source = traces(item)
+        transfer[Path(item).name if Path(item).exists() else item] = table
+        sources.append(source)
+
+    document, curves = calibrate_run.calibrate(steps, transfer, options, sources)
+    device = loaded["lm"].device if "lm" in loaded else "cpu"
+    manifest = results.manifest("calibrate", {"runs": [str(r) for r in runs], "record": asdict(record_options),
+                                              "safety": str(options.safety), "unit": options.unit,
+                                              "confidence": options.confidence, "transfer": transfer_items}, device)
+    calibrate_run.publish(out, document, curves, steps, manifest)
+    report.render_calibration(console, document)
+    console.print(f"results: [bold]{out}[/]")
+    if document["flips"] == 0:
+        return 1 if require_flips else 0
+    return 0
+
+
+@app.command()
 def models() -> None:
     """List the model aliases (any local folder or hub id in the local cache works too)."""
     table = Table(title="models")

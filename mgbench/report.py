@@ -79,3 +79,35 @@ def render_flips(console: Console, summary: dict, pads: pd.DataFrame) -> None:
     if len(pads) > len(shown):
         pad_table.add_row("...", "", f"{len(pads) - len(shown)} more batches in sequences.parquet")
     console.print(pad_table)
+
+
+def render_calibration(console: Console, document: dict) -> None:
+    title = f"mgbench calibrate: {document['model']} on {', '.join(document['datasets'])} (batch sizes {document['batch_sizes']})"
+    units = Table(title=title)
+    for column in ("unit", "flips", "max flip", "TAU min", "trig@min", f"TAU {document['safety']}",
+                   "trig@TAU", "oracle", "/oracle"):
+        units.add_column(column, justify="right")
+    for unit, f in document["per_unit"].items():
+        chosen = "*" if unit == document["unit"] else ""
+        units.add_row(f"{unit}{chosen}", str(f["flips"]), _fmt(f.get("max_flip_margin")), _fmt(f["tau_min"]),
+                      _pct(f["trigger_rate_min"]), _fmt(f["tau"]), _pct(f["trigger_rate"]),
+                      _pct(f["oracle_trigger_rate"]), _fmt(f["trigger_over_oracle"], 3))
+    console.print(units)
+    console.print("trig: trigger rate (share of steps verified); oracle: the flip rate, the floor; "
+                  "*: the unit written to calibration.json (--unit)")
+    bound = document["bound"]
+    style = "green" if bound.get("enough_flips") else "yellow"
+    console.print(f"[{style}]bound:[/] {bound['verdict']}")
+    if bound.get("miss_probability_bound") is not None:
+        console.print(f"  missed flips per step <= {bound['missed_flips_per_step_bound']:.3g}; "
+                      f"P(a 1000-token sequence has a missed flip) <= {bound['sequence_miss_probability_per_1000_tokens']:.3g}")
+    if document["transfer"]:
+        transfer = Table(title="transfer: the calibrated TAU on other datasets")
+        for column in ("dataset", "unit", "TAU", "steps", "flips", "missed", "recall", "triggers", "miss bound"):
+            transfer.add_column(column, justify="right")
+        for row in document["transfer"]:
+            recall = row["recall"]
+            shown = "-" if recall is None else f"[{'green' if recall == 1 else 'bold red'}]{recall:.1%}[/]"
+            transfer.add_row(row["dataset"], row["unit"], _fmt(row["tau"]), str(row["steps"]), str(row["flips"]),
+                             str(row["missed"]), shown, _pct(row["trigger_rate"]), _pct(row["miss_probability_bound"]))
+        console.print(transfer)

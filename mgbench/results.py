@@ -107,6 +107,14 @@ def read_table(path: Path, expected: pa.Schema) -> pa.Table:
     return table
 
 
+def read_steps(run: Path):
+    """The steps table (pandas) of a run directory or of a steps.parquet path."""
+    path = run / "steps.parquet" if run.is_dir() else run
+    if not path.exists():
+        raise UserError(f"{run} is not a run directory (no steps.parquet)")
+    return read_table(path, STEPS_SCHEMA).to_pandas()
+
+
 def git_revision() -> str:
     try:
         out = subprocess.run(

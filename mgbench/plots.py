@@ -1,0 +1,56 @@
+"""PNG plots of calibration curves and margin distributions (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: files only
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from .calibration import UNITS  # noqa: E402
+
+
+def calibration_curves(curves: pd.DataFrame, taus: dict[str, float | None], path: Path) -> None:
+    """Recall of flips and trigger rate against TAU, one panel per margin unit."""
+    fig, axes = plt.subplots(1, len(UNITS), figsize=(11, 4))
+    for ax, unit in zip(axes, UNITS):
+        data = curves[curves["unit"] == unit]
+        # The interesting part is near TAU; far above it the trigger rate only creeps towards 1.
+        tau = taus.get(unit)
+        limit = 4 * tau if tau else (np.quantile(data["tau"], 0.99) if len(data) else 1.0)
+        view = data[data["tau"] <= limit]
+        ax.step(view["tau"], view["recall"], where="post", label="recall of flips")
+        ax.step(view["tau"], view["trigger_rate"], where="post", label="trigger rate")
+        if taus.get(unit) is not None:
+            ax.axvline(taus[unit], color="red", linestyle="--", label=f"TAU = {taus[unit]:.4g}")
+        ax.set_xlabel(f"TAU ({unit} margin)")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    fig.suptitle("MarginGate calibration: verify steps with margin < TAU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def margin_histograms(steps: pd.DataFrame, path: Path) -> None:
+    """Margins at flip vs non-flip steps (density), one panel per unit."""
+    fig, axes = plt.subplots(1, len(UNITS), figsize=(11, 4))
+    for ax, (unit, column) in zip(axes, UNITS.items()):
+        values = steps[column].to_numpy(dtype=float)
+        top = np.quantile(values, 0.99) if len(values) else 1.0
+        bins = np.linspace(0, max(top, 1e-6), 60)
+        flipped = steps["flipped"].to_numpy(dtype=bool)
+        ax.hist(np.clip(values[~flipped], 0, top), bins=bins, density=True, alpha=0.6, label=f"non-flip ({(~flipped).sum()})")
+        if flipped.any():
+            ax.hist(np.clip(values[flipped], 0, top), bins=bins, density=True, alpha=0.8, label=f"flip ({flipped.sum()})")
+        ax.set_xlabel(f"batched top-1/top-2 margin ({unit})")
+        ax.set_ylabel("density")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
