@@ -93,3 +93,56 @@ def summarize_flips(steps: pd.DataFrame, sequences: pd.DataFrame) -> dict:
         for row in rates_by_batch_size(steps, sequences).to_dict("records")
     ]
     return summary
+
+
+def verify_by_policy(sequences: pd.DataFrame, seconds: dict[tuple[str, int], float] | None = None) -> pd.DataFrame:
+    """Per (policy, batch size): determinism, trigger rate, repairs and decode throughput."""
+    table = sequences.groupby(["policy", "repair", "batch_size"], sort=False).agg(
+        sequences=("identical", "size"), identical=("identical", "sum"), steps=("steps", "sum"),
+        triggers=("triggers", "sum"), repairs=("repairs", "sum"),
+    ).reset_index()
+    table["determinism"] = table["identical"] / table["sequences"]
+    table["trigger_rate"] = table["triggers"] / table["steps"].where(table["steps"] > 0)
+    if seconds is not None:
+        table["decode_s"] = [seconds.get((p, b), float("nan")) for p, b in zip(table["policy"], table["batch_size"])]
+    return table
+
+
+def batch_invariance(sequences: pd.DataFrame) -> pd.DataFrame:
+    """Per policy: requests whose batched output is the same at every batch size tried (solo aside)."""
+    def invariant(group: pd.DataFrame) -> bool:
+        outputs = {tuple(ids) for ids in group["batched_ids"]}
+        return len(outputs) == 1
+
+    per_request = sequences.groupby(["policy", "request_id"], sort=False).apply(invariant, include_groups=False)
+    per_request = per_request.rename("invariant").reset_index()
+    table = per_request.groupby("policy", sort=False)["invariant"].agg(["size", "sum"]).reset_index()
+    return table.rename(columns={"size": "requests", "sum": "invariant_requests"})
+
+
+def summarize_verify(sequences: pd.DataFrame, seconds: dict, shortfalls: list[dict], required: float | None) -> dict:
+    by = verify_by_policy(sequences, seconds)
+    overall = sequences.groupby(["policy", "repair"], sort=False).agg(
+        sequences=("identical", "size"), identical=("identical", "sum"), steps=("steps", "sum"),
+        triggers=("triggers", "sum"), repairs=("repairs", "sum")).reset_index()
+    overall["determinism"] = overall["identical"] / overall["sequences"]
+    overall["trigger_rate"] = overall["triggers"] / overall["steps"].where(overall["steps"] > 0)
+    invariance = batch_invariance(sequences).set_index("policy")
+    policies = []
+    for row in overall.to_dict("records"):
+        inv = invariance.loc[row["policy"]]
+        policies.append({
+            **{k: (_finite(v) if isinstance(v, float) else (int(v) if not isinstance(v, str) else v)) for k, v in row.items()},
+            "batch_invariant_requests": int(inv["invariant_requests"]), "requests": int(inv["requests"]),
+            "passed": None if required is None else bool(row["determinism"] >= required),
+        })
+    return {
+        "required_determinism": required,
+        "passed": None if required is None else all(p["passed"] for p in policies),
+        "policies": policies,
+        "by_batch_size": [
+            {k: (_finite(v) if isinstance(v, float) else (int(v) if not isinstance(v, str) else v)) for k, v in r.items()}
+            for r in by.to_dict("records")
+        ],
+        "shortfalls": shortfalls,
+    }

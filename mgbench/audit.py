@@ -94,7 +94,8 @@ def run_audit(
                     batch_solos = [solos[i] for i in members]
                     forced = run_teacher_forced(model, batch_prompts, batch_solos, options.prefill, pad_id)
                     free = run_free(
-                        model, batch_prompts, batch_solos, options.prefill, pad_id, max_new_tokens, eos_ids
+                        model, batch_prompts, [s.row_prefill for s in batch_solos], options.prefill, pad_id,
+                        max_new_tokens, eos_ids,
                     )
                     records.batched_tokens[batch_size] = records.batched_tokens.get(batch_size, 0) + sum(
                         len(t) - 1 for t in free.tokens

@@ -256,6 +256,149 @@ def _run_calibrate(runs, record_options, options, transfer_items, require_flips,
     return 0
 
 
+def threshold_from(path: Path, model: str) -> tuple[float, str]:
+    """(TAU, unit) from a calibration.json, refused when it was made for another model."""
+    import json
+
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--threshold-from {path}: cannot read it as JSON ({exc})") from exc
+    if not isinstance(document, dict) or document.get("kind") != "mgbench.calibration":
+        raise UserError(f"--threshold-from {path}: not a calibration.json written by `mgbench calibrate`")
+    if document.get("model") != model:
+        raise UserError(f"--threshold-from {path}: calibrated for model {document.get('model')!r}, not {model!r}; "
+                        "calibrate this model first")
+    if document.get("tau") is None:
+        raise UserError(f"--threshold-from {path}: the calibration saw no flips and holds no threshold")
+    return float(document["tau"]), document.get("unit", "logit")
+
+
+def policy_specs(policies: str, repairs: str, tau: float | None, unit: str):
+    from .engine.policies import POLICIES, PolicySpec
+    from .engine.verify import REPAIR_MODES
+
+    kinds = [p.strip() for p in policies.split(",") if p.strip()]
+    modes = [r.strip() for r in repairs.split(",") if r.strip()]
+    for kind in kinds:
+        if kind not in POLICIES:
+            raise UserError(f"--policy {kind!r}: choose from {', '.join(POLICIES)}")
+    for mode in modes:
+        if mode not in REPAIR_MODES:
+            raise UserError(f"--repair {mode!r}: choose from {', '.join(REPAIR_MODES)}")
+    if not kinds or not modes:
+        raise UserError("--policy and --repair need at least one value each")
+    if "margin" in kinds:
+        if tau is None:
+            raise UserError("--policy margin needs --threshold TAU or --threshold-from calibration.json")
+        if not (tau == tau and 0 < tau < 1e6):
+            raise UserError(f"threshold {tau}: use a finite margin above 0 (a logit or ulp margin, e.g. 0.5)")
+    specs = []
+    for kind in kinds:
+        for mode in (modes if kind != "none" else ["exact"]):
+            specs.append(PolicySpec(kind, mode, tau if kind == "margin" else None, unit))
+    return specs
+
+
+@app.command()
+def verify(
+    model: str = ModelOpt,
+    dataset: str = DatasetOpt,
+    limit: int = typer.Option(16, "--limit", "-n", help="Requests to verify (a seeded sample)."),
+    seed: int = SeedOpt,
+    batch_sizes: str = typer.Option("8", "--batch-sizes", "-b", help="Batch sizes, all of which must hold, e.g. 1,3,8,16."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate per request."),
+    policy: str = typer.Option("margin", "--policy", help="none, always, margin, oracle; a comma list runs each."),
+    repair: str = typer.Option("exact", "--repair", help="exact (solo-exact reference, the default) or column (the paper's); a comma list runs each."),
+    threshold: Optional[float] = typer.Option(None, "--threshold", help="TAU of the margin policy."),
+    threshold_from: Optional[Path] = typer.Option(None, "--threshold-from", help="calibration.json from `mgbench calibrate` (TAU and unit)."),
+    threshold_unit: str = typer.Option("logit", "--threshold-unit", help="Unit of --threshold: logit or ulp."),
+    needle: bool = typer.Option(False, "--needle", help="Place each request at a random row among filler requests."),
+    require_determinism: Optional[float] = typer.Option(None, "--require-determinism", help="Exit 1 when any policy's sequence-level determinism is below this (e.g. 1.0)."),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one case per policy, dataset, batch size)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of tables."),
+    prefill: str = PrefillOpt,
+    sort_by_length: bool = SortOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    attn: str = AttnOpt,
+    out: Optional[Path] = OutOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Verify: decode in batches under a verification policy; every output must equal its solo reference.
+
+    Free-running batched decoding with MarginGate (`--policy margin`), always-on (`always`), the
+    oracle floor (`oracle`) or none, each with `--repair exact` (a solo-exact reference: 100% by
+    construction on verified steps) or `--repair column` (the paper's current-column repair).
+    Exit codes: 0 ok, 1 determinism below --require-determinism, 2 bad input.
+
+    Examples:
+
+        mgbench verify --dataset math500 --threshold-from calibration.json --batch-sizes 4,8,16 --require-determinism 1.0
+
+        mgbench verify --policy none --require-determinism 1.0          # the negative control: fails
+
+        mgbench verify --policy margin,always,oracle --repair column,exact --threshold 0.47 --json
+
+        mgbench verify --needle --batch-sizes 16 --threshold 0.47 --junit verify.xml
+    """
+    with user_errors(debug):
+        sizes = parse_batch_sizes(batch_sizes)
+        options = RunOptions(
+            model=model, dataset=dataset, limit=limit, seed=seed, batch_sizes=sizes, max_new_tokens=max_new_tokens,
+            prefill=prefill, sort_by_length=sort_by_length, dtype=dtype, device=device, attn=attn,
+        )
+        if threshold is not None and threshold_from is not None:
+            raise UserError("give --threshold or --threshold-from, not both")
+        if threshold_unit not in ("logit", "ulp"):
+            raise UserError(f"--threshold-unit {threshold_unit!r}: choose logit or ulp")
+        tau, unit = threshold_from(threshold_from, model) if threshold_from else (threshold, threshold_unit)
+        specs = policy_specs(policy, repair, tau, unit)
+        if require_determinism is not None and not 0 <= require_determinism <= 1:
+            raise UserError(f"--require-determinism {require_determinism}: use a fraction in [0, 1]")
+        code = _run_verify(options, specs, needle, require_determinism, junit, json_out,
+                           out or default_out("verify", model, dataset))
+    raise typer.Exit(code)
+
+
+def _run_verify(options, specs, needle, required, junit, json_out, out) -> int:
+    import json
+    from dataclasses import asdict
+
+    from . import analysis, report, results, verify_run
+    from .flips import prepare
+    from .junit import junit_xml, write_junit
+
+    run = prepare(options)
+    results.prepare_out_dir(out)
+    lm = load_with_status(options)
+    rows = len(run.requests) * len(options.batch_sizes) * len(specs)
+    with progress_bar() as progress:
+        tasks = {"solo": progress.add_task("solo (batch size 1)", total=len(run.requests)),
+                 "batched": progress.add_task(f"batched x {len(specs)} policies", total=rows)}
+        records = verify_run.run_verify(lm, run, specs, needle, lambda phase, n: progress.advance(tasks[phase], n))
+    steps, sequences = verify_run.steps_table(records), verify_run.sequences_table(records)
+    summary = {
+        "model": options.model, "dataset": run.config.name, "prefill": options.prefill, "needle": needle,
+        "batch_sizes": list(options.batch_sizes), "max_new_tokens": run.max_new_tokens,
+        "threshold": next((s.tau for s in specs if s.kind == "margin"), None),
+        "threshold_unit": next((s.unit for s in specs if s.kind == "margin"), None),
+        **analysis.summarize_verify(sequences.to_pandas(), records.seconds, records.shortfalls, required),
+    }
+    manifest = results.manifest("verify", {**asdict(options), "policies": [s.label for s in specs], "needle": needle,
+                                            "require_determinism": required}, lm.device,
+                                {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source})
+    results.publish_run(out, {"steps": steps, "sequences": sequences}, {"summary": summary, "manifest": manifest})
+    if junit is not None:
+        write_junit(junit, junit_xml(sequences.to_pandas(), 1.0 if required is None else required))
+    if json_out:
+        print(json.dumps(summary, indent=2))
+    else:
+        report.render_verify(console, summary)
+        console.print(f"results: [bold]{out}[/]")
+    return 1 if summary["passed"] is False else 0
+
+
 @app.command()
 def models() -> None:
     """List the model aliases (any local folder or hub id in the local cache works too)."""

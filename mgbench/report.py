@@ -111,3 +111,31 @@ def render_calibration(console: Console, document: dict) -> None:
             transfer.add_row(row["dataset"], row["unit"], _fmt(row["tau"]), str(row["steps"]), str(row["flips"]),
                              str(row["missed"]), shown, _pct(row["trigger_rate"]), _pct(row["miss_probability_bound"]))
         console.print(transfer)
+
+
+def render_verify(console: Console, summary: dict) -> None:
+    table = Table(title=f"mgbench verify: {summary['model']} on {summary['dataset']} "
+                        f"({'needle' if summary['needle'] else 'batches'}, prefill {summary['prefill']})")
+    for column in ("policy", "batch size", "sequences", "identical", "determinism", "trigger rate", "repairs", "decode s"):
+        table.add_column(column, justify="right")
+    for row in summary["by_batch_size"]:
+        ok = row["determinism"] == 1
+        table.add_row(row["policy"], str(row["batch_size"]), str(row["sequences"]), str(row["identical"]),
+                      f"[{'green' if ok else 'red'}]{_pct(row['determinism'])}[/]", _pct(row["trigger_rate"]),
+                      str(row["repairs"]), _fmt(row.get("decode_s"), 3))
+    console.print(table)
+    for policy in summary["policies"]:
+        verdict = {None: "", True: "[green]PASS[/]", False: "[bold red]FAIL[/]"}[policy["passed"]]
+        console.print(f"{policy['policy']}: determinism {_pct(policy['determinism'])}, trigger rate "
+                      f"{_pct(policy['trigger_rate'])}, {policy['repairs']} repairs, batch-invariant across sizes "
+                      f"{policy['batch_invariant_requests']}/{policy['requests']} {verdict}")
+    if summary["shortfalls"]:
+        short = Table(title="where the reference disagreed with solo (first 10)")
+        for column in ("policy", "B", "request", "step", "solo tok", "ref tok", "batched margin", "ref margin",
+                       "solo margin", "ref-solo max |dlogit|"):
+            short.add_column(column, justify="right")
+        for s in summary["shortfalls"][:10]:
+            short.add_row(s["policy"], str(s["batch_size"]), str(s["request_id"]), str(s["step"]), str(s["solo_token"]),
+                          str(s["reference_token"]), _fmt(s["batched_margin"], 3), _fmt(s["reference_margin"], 3),
+                          _fmt(s["solo_margin"], 3), _fmt(s["reference_vs_solo_max_abs_logit_diff"], 3))
+        console.print(short)

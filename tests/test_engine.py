@@ -85,7 +85,7 @@ def test_negative_control_equal_lengths_bitwise_equal(prefill):
     solos = solos_of(model, prompts, 24)
     with torch.inference_mode():
         result = run_teacher_forced(model, prompts, solos, prefill, PAD_ID)
-        free = run_free(model, prompts, solos, prefill, PAD_ID, 24, set())
+        free = run_free(model, prompts, [s.row_prefill for s in solos], prefill, PAD_ID, 24, set())
     assert result.pad_lens == [0, 0, 0, 0]
     for row in result.rows:
         assert row["max_abs_logit_diff"].max() == 0.0
@@ -102,7 +102,7 @@ def test_positive_control_padding_not_multiple_of_8_flips():
     solos = solos_of(model, prompts, 32)
     with torch.inference_mode():
         result = run_teacher_forced(model, prompts, solos, "alone", PAD_ID)
-        free = run_free(model, prompts, solos, "alone", PAD_ID, 32, set())
+        free = run_free(model, prompts, [s.row_prefill for s in solos], "alone", PAD_ID, 32, set())
     aligned = [row for row, pad in enumerate(result.pad_lens) if pad % 8 == 0]
     unaligned = [row for row, pad in enumerate(result.pad_lens) if pad % 8 != 0]
     assert aligned and unaligned

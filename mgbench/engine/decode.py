@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .cache import LayerKV, cache_from_layers, cache_layers, left_pad_stack
+
+
+@dataclass
+class RowPrefill:
+    """A row's prefill computed alone: the first-step logits and its batch-of-one cache."""
+
+    logits: torch.Tensor  # [vocab]
+    layers: LayerKV
 
 
 def forward_last_logits(model, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:

@@ -1,15 +1,28 @@
 """Per-step policies of the free-running batched decoder (what it does with each step's logits).
 
-A policy sees the step's batched logits and may verify rows and repair the cache; it
-returns the tokens to emit and which rows it verified (`triggered`) and corrected (`repaired`).
+A policy is a gate (which rows to verify this step) and a verifier (`mgbench.engine.verify`:
+the reference computation and the cache repair). It returns the tokens to emit and which rows
+it verified (`triggered`) and corrected (`repaired`).
+
+- `none`: plain batched greedy decoding, never checked.
+- `always`: verify every row at every step (the per-token always-on baseline).
+- `margin`: MarginGate, verify rows whose batched top-1/top-2 margin is below TAU (logit or ulp).
+- `oracle`: verify exactly the steps whose batched argmax differs from the recorded solo token:
+  the floor on triggers, which needs the solo reference.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from .metrics import bf16_ulp, top2_margin
+
+POLICIES = ("none", "always", "margin", "oracle")
+MARGIN_UNITS = ("logit", "ulp")
 
 
 @dataclass
@@ -17,9 +30,11 @@ class StepContext:
     step: int
     logits: torch.Tensor  # [B, vocab] batched logits of this step
     cache: object  # the batched DynamicCache, after this step's columns were written
-    mask: torch.Tensor  # [B, seq] attention mask of the batched cache
     pad_lens: list[int]
     active: torch.Tensor  # [B] bool: rows that have not finished yet
+    fed: torch.Tensor | None  # [B] tokens fed at this step (None at step 0: the prefill)
+    positions: torch.Tensor | None  # [B] positions of the fed tokens
+    emitted: list[torch.Tensor]  # tokens emitted at steps 0..step-1, each [B]
 
 
 @dataclass
@@ -45,7 +60,91 @@ class NoVerification:
         return StepDecision(ctx.logits.argmax(-1), none, none)
 
 
-def make_policy(spec: str) -> Policy:
-    if spec == "none":
-        return NoVerification()
-    raise ValueError(f"unknown policy {spec!r}")
+class AlwaysGate:
+    def flags(self, ctx: StepContext) -> torch.Tensor:
+        return torch.ones(ctx.logits.shape[0], dtype=torch.bool, device=ctx.logits.device)
+
+
+@dataclass
+class MarginGate:
+    tau: float
+    unit: str = "logit"
+
+    def flags(self, ctx: StepContext) -> torch.Tensor:
+        margin, top1 = top2_margin(ctx.logits)
+        if self.unit == "ulp":
+            margin = margin / bf16_ulp(top1)
+        return margin < self.tau
+
+
+class OracleGate:
+    """Flags the steps whose batched argmax differs from the solo token at the same step."""
+
+    def __init__(self, solo_logits: list[torch.Tensor | None], steps: int):
+        device = next(l.device for l in solo_logits if l is not None)
+        self.reference = torch.full((len(solo_logits), steps), -1, dtype=torch.long, device=device)
+        for row, logits in enumerate(solo_logits):
+            if logits is not None:  # rows without a reference (needle fillers) are never flagged
+                self.reference[row, : min(len(logits), steps)] = logits[:steps].argmax(-1)
+
+    def flags(self, ctx: StepContext) -> torch.Tensor:
+        expected = self.reference[:, ctx.step]
+        return (expected >= 0) & (ctx.logits.argmax(-1) != expected)
+
+
+class VerifyingPolicy:
+    def __init__(self, name: str, gate, verifier):
+        self.name, self.gate, self.verifier = name, gate, verifier
+
+    def decide(self, ctx: StepContext) -> StepDecision:
+        tokens = ctx.logits.argmax(-1)
+        flagged = self.gate.flags(ctx) & ctx.active
+        repaired = torch.zeros_like(flagged)
+        for row in flagged.nonzero().flatten().tolist():  # one host sync per step
+            token, fixed = self.verifier.verify(ctx, row)
+            if fixed:
+                tokens[row] = token
+                repaired[row] = True
+        return StepDecision(tokens, flagged, repaired)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A policy as configured by the user; `build` makes one per batch (verifiers hold per-row state)."""
+
+    kind: str
+    repair: str = "exact"
+    tau: float | None = None
+    unit: str = "logit"
+
+    def __post_init__(self) -> None:
+        if self.kind not in POLICIES:
+            raise ValueError(f"unknown policy {self.kind!r}")
+        if self.kind == "margin" and (self.tau is None or not math.isfinite(self.tau) or self.tau <= 0):
+            raise ValueError("policy margin needs a finite threshold TAU > 0")
+        if self.unit not in MARGIN_UNITS:
+            raise ValueError(f"unknown margin unit {self.unit!r}")
+
+    @property
+    def label(self) -> str:
+        if self.kind == "none":
+            return "none"
+        gate = f"margin<{self.tau:.4g}{'ulp' if self.unit == 'ulp' else ''}" if self.kind == "margin" else self.kind
+        return f"{gate}/{self.repair}"
+
+    def build(self, model, prompts, prefills, solo_logits=None, steps: int = 0) -> Policy:
+        """`solo_logits` (per row [n, vocab], or None for rows without a reference) drive the
+        oracle gate and the shortfall diagnostics; they never feed a verification."""
+        from .verify import make_verifier
+
+        if self.kind == "none":
+            return NoVerification()
+        if self.kind == "always":
+            gate = AlwaysGate()
+        elif self.kind == "margin":
+            gate = MarginGate(self.tau, self.unit)
+        else:
+            if solo_logits is None:
+                raise ValueError("the oracle policy needs the solo reference")
+            gate = OracleGate(solo_logits, steps)
+        return VerifyingPolicy(self.label, gate, make_verifier(self.repair, model, prompts, prefills, solo_logits))

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from .cache import LayerKV, cache_layers, clone_layers, columns_of_row
-from .decode import assemble_prefilled, decode_step, prefill_alone, prefill_batched
-from .metrics import kv_relative_delta, step_metrics
+from .decode import RowPrefill, assemble_prefilled, decode_step, prefill_alone, prefill_batched
+from .metrics import bf16_ulp, kv_relative_delta, step_metrics, top2_margin
 from .policies import NoVerification, Policy, StepContext
 
 PREFILL_MODES = ("alone", "batched")
@@ -29,6 +29,10 @@ class SoloResult:
     kv_columns: torch.Tensor  # [layers, 2, kv_heads, n, head_dim]: K/V of each step's input token
     decode_seconds: float  # steps 1..n-1 (prefill excluded)
 
+    @property
+    def row_prefill(self) -> RowPrefill:
+        return RowPrefill(self.logits[0], self.prefill)
+
 
 @dataclass
 class TeacherForcedResult:
@@ -42,6 +46,8 @@ class FreeRunResult:
     tokens: list[list[int]]  # per row, up to and including EOS
     triggered: list[list[bool]]
     repaired: list[list[bool]]
+    margin: list[list[float]]  # batched top-1/top-2 margin of each emitted step
+    margin_ulp: list[list[float]]
     decode_seconds: float
 
 
@@ -67,15 +73,29 @@ def run_solo(model, prompt: torch.Tensor, max_new_tokens: int, eos_ids: set[int]
     return SoloResult(torch.tensor(tokens, device=prompt.device), torch.stack(all_logits), prefill, kv, seconds)
 
 
-def prefill_for_batch(model, prompts, solos, prefill: str, pad_id: int):
+def row_prefills(model, prompts, known: list | None = None) -> list[RowPrefill]:
+    """Each row's prefill alone, reusing the ones already computed (solo runs keep theirs)."""
+    known = known or [None] * len(prompts)
+    rows = []
+    for prompt, prefill in zip(prompts, known):
+        if prefill is None:
+            logits, cache = prefill_alone(model, prompt)
+            prefill = RowPrefill(logits, clone_layers(cache_layers(cache)))
+        rows.append(prefill)
+    return rows
+
+
+def prefill_for_batch(model, prompts, prefills: list[RowPrefill] | None, prefill: str, pad_id: int):
     """Batched cache after the prompts: (first-step logits [B, vocab], cache, mask, pad_lens).
 
-    `alone` reuses the solo prefills: a prefill at batch size 1 without padding is the same
-    computation in both runs, and serving engines also prefill each request on arrival.
+    `alone` assembles the rows' prefills computed at batch size 1 (the solo runs' own: a prefill
+    alone without padding is the same computation in both runs; serving engines also prefill
+    each request on arrival); `batched` runs one left-padded prefill.
     """
     if prefill == "alone":
-        cache, mask, pads = assemble_prefilled(model, [s.prefill for s in solos])
-        return torch.stack([s.logits[0] for s in solos]), cache, mask, pads
+        prefills = row_prefills(model, prompts, prefills)
+        cache, mask, pads = assemble_prefilled(model, [p.layers for p in prefills])
+        return torch.stack([p.logits for p in prefills]), cache, mask, pads
     if prefill == "batched":
         return prefill_batched(model, prompts, pad_id)
     raise ValueError(f"unknown prefill mode {prefill!r}")
@@ -94,7 +114,7 @@ def run_teacher_forced(model, prompts, solos: list[SoloResult], prefill: str, pa
         solo_logits[row, : lengths[row]] = solo.logits
     prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
 
-    logits, cache, mask, pads = prefill_for_batch(model, prompts, solos, prefill, pad_id)
+    logits, cache, mask, pads = prefill_for_batch(model, prompts, [s.row_prefill for s in solos], prefill, pad_id)
     per_step = [step_metrics(logits, solo_logits[:, 0])]
     for step in range(1, steps):
         logits, mask = decode_step(model, cache, solo_tokens[:, step - 1], prompt_lens + step - 1, mask)
@@ -116,43 +136,53 @@ def run_teacher_forced(model, prompts, solos: list[SoloResult], prefill: str, pa
 def run_free(
     model,
     prompts,
-    solos: list[SoloResult] | None,
+    prefills: list[RowPrefill | None] | None,
     prefill: str,
     pad_id: int,
     max_new_tokens: int,
     eos_ids: set[int],
     policy: Policy | None = None,
 ) -> FreeRunResult:
-    """Free-running batched greedy decoding: each row continues from its own emitted tokens."""
+    """Free-running batched greedy decoding: each row continues from its own emitted tokens.
+
+    Under `--prefill alone` the step-0 token comes from each row's prefill alone, which is the
+    reference itself, so the policy first acts at step 1.
+    """
     policy = policy or NoVerification()
     device = prompts[0].device
     batch = len(prompts)
     prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
 
-    logits, cache, mask, pads = prefill_for_batch(model, prompts, solos, prefill, pad_id)
+    logits, cache, mask, pads = prefill_for_batch(model, prompts, prefills, prefill, pad_id)
     active = torch.ones(batch, dtype=torch.bool, device=device)
-    decision = policy.decide(StepContext(0, logits, cache, mask, pads, active))
-    history = [(decision.tokens, decision.triggered, decision.repaired, active)]
+    first = NoVerification() if prefill == "alone" else policy
+    decision = first.decide(StepContext(0, logits, cache, pads, active, None, None, []))
+    history = [(decision.tokens, decision.triggered, decision.repaired, active, *step_margins(logits))]
+    emitted = [decision.tokens]
     synchronize(device)
     start = time.perf_counter()
     for step in range(1, max_new_tokens):
-        active = active & ~torch.isin(history[-1][0], eos)
+        active = active & ~torch.isin(emitted[-1], eos)
         if not bool(active.any()):
             break
-        fed = torch.where(active, history[-1][0], torch.full_like(history[-1][0], pad_id))
-        logits, mask = decode_step(model, cache, fed, prompt_lens + step - 1, mask)
-        decision = policy.decide(StepContext(step, logits, cache, mask, pads, active))
-        history.append((decision.tokens, decision.triggered & active, decision.repaired & active, active))
+        fed = torch.where(active, emitted[-1], torch.full_like(emitted[-1], pad_id))
+        positions = prompt_lens + step - 1
+        logits, mask = decode_step(model, cache, fed, positions, mask)
+        decision = policy.decide(StepContext(step, logits, cache, pads, active, fed, positions, emitted))
+        emitted.append(decision.tokens)
+        history.append((decision.tokens, decision.triggered & active, decision.repaired & active, active,
+                        *step_margins(logits)))
     synchronize(device)
     seconds = time.perf_counter() - start
 
-    tokens, triggered, repaired, alive = (torch.stack(t, dim=1).cpu() for t in zip(*history))
+    tokens, triggered, repaired, alive, margin, margin_ulp = (torch.stack(t, dim=1).cpu() for t in zip(*history))
     keep = [alive[row].nonzero().flatten().tolist() for row in range(batch)]
-    return FreeRunResult(
-        pad_lens=pads,
-        tokens=[tokens[row, idx].tolist() for row, idx in enumerate(keep)],
-        triggered=[triggered[row, idx].tolist() for row, idx in enumerate(keep)],
-        repaired=[repaired[row, idx].tolist() for row, idx in enumerate(keep)],
-        decode_seconds=seconds,
-    )
+    pick = lambda table: [table[row, idx].tolist() for row, idx in enumerate(keep)]
+    return FreeRunResult(pads, pick(tokens), pick(triggered), pick(repaired), pick(margin), pick(margin_ulp), seconds)
+
+
+def step_margins(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(margin, margin in BF16 ulps) of each row's batched logits."""
+    margin, top1 = top2_margin(logits)
+    return margin, margin / bf16_ulp(top1)
