@@ -256,7 +256,7 @@ def _run_calibrate(runs, record_options, options, transfer_items, require_flips,
     return 0
 
 
-def threshold_from(path: Path, model: str) -> tuple[float, str]:
+def read_calibration_threshold(path: Path, model: str) -> tuple[float, str]:
     """(TAU, unit) from a calibration.json, refused when it was made for another model."""
     import json
 
@@ -352,7 +352,7 @@ def verify(
             raise UserError("give --threshold or --threshold-from, not both")
         if threshold_unit not in ("logit", "ulp"):
             raise UserError(f"--threshold-unit {threshold_unit!r}: choose logit or ulp")
-        tau, unit = threshold_from(threshold_from, model) if threshold_from else (threshold, threshold_unit)
+        tau, unit = read_calibration_threshold(threshold_from, model) if threshold_from else (threshold, threshold_unit)
         specs = policy_specs(policy, repair, tau, unit)
         if require_determinism is not None and not 0 <= require_determinism <= 1:
             raise UserError(f"--require-determinism {require_determinism}: use a fraction in [0, 1]")

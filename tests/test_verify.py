@@ -1,0 +1,174 @@
+"""Verification policies and repairs: exact reaches 100%, plain batched decoding does not (the
+negative control), the oracle triggers exactly on flips, repairs write the reference K/V bitwise."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from helpers import AVX2, BatchedRunnerUpNudge, plant_near_ties, random_prompts, tiny_llama
+from mgbench.engine import cache as cache_ops
+from mgbench.engine.decode import decode_step
+from mgbench.engine.policies import PolicySpec, StepContext
+from mgbench.engine.runners import prefill_for_batch, run_free, run_solo, run_teacher_forced
+from mgbench.engine.verify import ColumnVerifier, ExactVerifier
+
+PAD_ID = 0
+STEPS = 32
+LENGTHS = [12, 17, 20, 25, 9, 28, 4, 21]
+
+
+@pytest.fixture(scope="module")
+def flipping_batch():
+    """A random-init Llama whose batched decoding flips: planted near-tie lm_head rows, and a
+    labelled deterministic nudge of the runner-up logit in batched calls, so flips happen on any CPU."""
+    model = tiny_llama()
+    plant_near_ties(model)
+    model.lm_head = BatchedRunnerUpNudge(model.lm_head, delta=0.02)
+    prompts = random_prompts(LENGTHS, vocab=8192)
+    with torch.inference_mode():
+        solos = [run_solo(model, p, STEPS, set()) for p in prompts]
+    return model, prompts, solos
+
+
+def decode(batch, spec: PolicySpec, prefill="alone"):
+    model, prompts, solos = batch
+    prefills = [s.row_prefill for s in solos]
+    with torch.inference_mode():
+        policy = spec.build(model, prompts, prefills, [s.logits for s in solos], STEPS)
+        free = run_free(model, prompts, prefills, prefill, PAD_ID, STEPS, set(), policy)
+    identical = sum(free.tokens[i] == s.tokens.tolist() for i, s in enumerate(solos))
+    return free, identical
+
+
+@pytest.mark.parametrize("prefill", ["alone", "batched"])
+def test_negative_control_plain_batched_decoding_diverges(flipping_batch, prefill):
+    _, identical = decode(flipping_batch, PolicySpec("none"), prefill)
+    assert identical < len(LENGTHS)
+
+
+@pytest.mark.parametrize("prefill", ["alone", "batched"])
+@pytest.mark.parametrize("spec", [PolicySpec("always", "exact"), PolicySpec("oracle", "exact"),
+                                  PolicySpec("margin", "exact", tau=0.05)], ids=lambda s: s.label)
+def test_exact_repair_reaches_full_determinism(flipping_batch, spec, prefill):
+    free, identical = decode(flipping_batch, spec, prefill)
+    assert identical == len(LENGTHS)
+    assert sum(map(sum, free.repaired)) > 0, "repairs must happen, otherwise the batch never flipped"
+
+
+def test_margin_gate_with_too_small_threshold_misses_flips(flipping_batch):
+    # A threshold below every flip's margin verifies nothing useful: the check must then fail.
+    _, identical = decode(flipping_batch, PolicySpec("margin", "exact", tau=1e-6))
+    assert identical < len(LENGTHS)
+
+
+def test_oracle_triggers_exactly_on_flips(flipping_batch):
+    model, prompts, solos = flipping_batch
+    free, identical = decode(flipping_batch, PolicySpec("oracle", "exact"))
+    assert identical == len(LENGTHS)
+    assert free.triggered == free.repaired  # every trigger was a real flip, every flip was repaired
+    with torch.inference_mode():
+        forced = run_teacher_forced(model, prompts, solos, "alone", PAD_ID)
+    for row, record in enumerate(forced.rows):
+        first_flip = next((s for s, f in enumerate(record["flipped"]) if f), None)
+        first_trigger = next((s for s, t in enumerate(free.triggered[row]) if t), None)
+        assert first_flip == first_trigger  # same history up to the first flip
+
+
+def test_column_repair_writes_the_reference_column_bitwise(flipping_batch):
+    model, prompts, solos = flipping_batch
+    prefills = [s.row_prefill for s in solos]
+    with torch.inference_mode():
+        logits, cache, mask, pads = prefill_for_batch(model, prompts, prefills, "alone", PAD_ID)
+        fed = logits.argmax(-1)
+        positions = torch.tensor([len(p) for p in prompts])
+        logits, mask = decode_step(model, cache, fed, positions, mask)
+        ctx = StepContext(1, logits, cache, pads, torch.ones(len(prompts), dtype=torch.bool), fed, positions, [fed])
+        verifier = ColumnVerifier(model, prompts, prefills)
+        # The batch-1 reference, computed independently over the row's unpadded history.
+        repaired_rows = 0
+        for row in range(len(prompts)):
+            history = cache_ops.row_slice(cache, row, pads[row])
+            reference = cache_ops.cache_from_layers([(k[:, :, :-1], v[:, :, :-1]) for k, v in history], model.config)
+            ref_logits, _ = decode_step(model, reference, fed[row : row + 1], positions[row : row + 1],
+                                        torch.ones((1, history[0][0].shape[-2] - 1), dtype=torch.long))
+            before = cache_ops.read_column(cache, row, cache_ops.cache_layers(cache)[0][0].shape[-2] - 1)
+            token, fixed = verifier.verify(ctx, row)
+            assert token == int(ref_logits[0].argmax())
+            after = cache_ops.read_column(cache, row, cache_ops.cache_layers(cache)[0][0].shape[-2] - 1)
+            expected = cache_ops.read_column(reference, 0, history[0][0].shape[-2] - 1) if fixed else before
+            for (k, v), (k_ref, v_ref) in zip(after, expected):
+                assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+            repaired_rows += fixed
+    assert repaired_rows > 0, "the nudge makes batched and batch-1 argmax differ on some row"
+
+
+def test_exact_repair_makes_the_row_history_solo_bitwise(flipping_batch):
+    model, prompts, solos = flipping_batch
+    prefills = [s.row_prefill for s in solos]
+    with torch.inference_mode():
+        policy = PolicySpec("oracle", "exact").build(model, prompts, prefills, [s.logits for s in solos], STEPS)
+        free = run_free(model, prompts, prefills, "alone", PAD_ID, STEPS, set(), policy)
+        verifier: ExactVerifier = policy.verifier
+        for row, shadow in enumerate(verifier.shadows):
+            if shadow is None:
+                continue
+            # The shadow replayed the emitted prefix with solo steps: its K/V equal the solo run's.
+            n = shadow.fed
+            solo_kv = solos[row].kv_columns[:, :, :, :n]
+            shadow_kv = cache_ops.columns_of_row(shadow.cache, 0, len(prompts[row]) - 1, n)
+            assert torch.equal(shadow_kv, solo_kv)
+    assert sum(map(sum, free.repaired)) > 0
+
+
+# --- the CLI on a tiny local model folder (fast), for exit codes, JUnit and JSON ---
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, default_lm):
+    """A random-init Llama with the default model's tokenizer, saved as a local model folder.
+    Planted near-tie rows make its batched decoding flip on AVX2 CPUs (pads not multiple of 8)."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    model = tiny_llama(hidden=64, vocab=len(default_lm.tokenizer))
+    model.config.eos_token_id = default_lm.tokenizer.eos_token_id
+    plant_near_ties(model, eps=0.0005)
+    model.save_pretrained(folder)
+    default_lm.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def verify_cli(folder, out, *args):
+    from mgbench.cli import app
+
+    return CliRunner().invoke(app, ["verify", "--model", str(folder), "--dataset", "gsm8k", "--limit", "6",
+                                    "--batch-sizes", "3,6", "--max-new-tokens", "24", "--out", str(out), *args])
+
+
+@pytest.mark.skipif(not AVX2, reason="the tiny model's flips come from SDPA over padding, measured on AVX2")
+def test_cli_exit_codes_and_junit(tiny_model_dir, tmp_path):
+    failing = verify_cli(tiny_model_dir, tmp_path / "none", "--policy", "none", "--require-determinism", "1.0",
+                         "--junit", str(tmp_path / "none.xml"))
+    assert failing.exit_code == 1, failing.output
+    assert 'failures="0"' not in (tmp_path / "none.xml").read_text()
+    passing = verify_cli(tiny_model_dir, tmp_path / "exact", "--policy", "always", "--repair", "exact",
+                         "--require-determinism", "1.0", "--junit", str(tmp_path / "exact.xml"), "--json")
+    assert passing.exit_code == 0, passing.output
+    junit = (tmp_path / "exact.xml").read_text()
+    assert 'tests="2"' in junit and 'failures="0"' in junit
+    summary = json.loads(passing.stdout)
+    assert summary["passed"] is True and summary["policies"][0]["determinism"] == 1.0
+    import pandas as pd
+
+    steps = pd.read_parquet(tmp_path / "exact" / "steps.parquet")
+    assert {"triggered", "repaired", "matches_solo", "margin"} <= set(steps.columns)
+
+
+def test_cli_refuses_calibration_of_another_model(tiny_model_dir, tmp_path):
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"kind": "mgbench.calibration", "model": "llama-3.1-8b", "tau": 0.5, "unit": "logit"}))
+    result = verify_cli(tiny_model_dir, tmp_path / "o", "--threshold-from", str(calibration))
+    assert result.exit_code == 2 and "calibrated for model 'llama-3.1-8b'" in result.stderr
+    result = verify_cli(tiny_model_dir, tmp_path / "o", "--policy", "margin")
+    assert result.exit_code == 2 and "needs --threshold" in result.stderr
+    result = verify_cli(tiny_model_dir, tmp_path / "o", "--threshold", "nan")
+    assert result.exit_code == 2
