@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is a local CPU wheel here; unpinned would pull a multi-GB CUDA build.
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	$(BIN)/python -m pip install --quiet --no-deps $(ASSETS)
 	touch $(STAMP)

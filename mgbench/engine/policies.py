@@ -93,14 +93,20 @@ class OracleGate:
 
 
 class VerifyingPolicy:
-    def __init__(self, name: str, gate, verifier):
+    def __init__(self, name: str, gate, verifier, stopwatch=None):
+        from .stopwatch import NoStopwatch
+
         self.name, self.gate, self.verifier = name, gate, verifier
+        self.clock = stopwatch or NoStopwatch()
 
     def decide(self, ctx: StepContext) -> StepDecision:
         tokens = ctx.logits.argmax(-1)
-        flagged = self.gate.flags(ctx) & ctx.active
+        with self.clock.section("gate"):
+            flagged = self.gate.flags(ctx) & ctx.active
         repaired = torch.zeros_like(flagged)
-        for row in flagged.nonzero().flatten().tolist():  # one host sync per step
+        with self.clock.section("decision_sync"):
+            rows = flagged.nonzero().flatten().tolist()  # one host sync per step
+        for row in rows:
             token, fixed = self.verifier.verify(ctx, row)
             if fixed:
                 tokens[row] = token
@@ -132,7 +138,7 @@ class PolicySpec:
         gate = f"margin<{self.tau:.4g}{'ulp' if self.unit == 'ulp' else ''}" if self.kind == "margin" else self.kind
         return f"{gate}/{self.repair}"
 
-    def build(self, model, prompts, prefills, solo_logits=None, steps: int = 0) -> Policy:
+    def build(self, model, prompts, prefills, solo_logits=None, steps: int = 0, stopwatch=None) -> Policy:
         """`solo_logits` (per row [n, vocab], or None for rows without a reference) drive the
         oracle gate and the shortfall diagnostics; they never feed a verification."""
         from .verify import make_verifier
@@ -147,4 +153,5 @@ class PolicySpec:
             if solo_logits is None:
                 raise ValueError("the oracle policy needs the solo reference")
             gate = OracleGate(solo_logits, steps)
-        return VerifyingPolicy(self.label, gate, make_verifier(self.repair, model, prompts, prefills, solo_logits))
+        verifier = make_verifier(self.repair, model, prompts, prefills, solo_logits, stopwatch)
+        return VerifyingPolicy(self.label, gate, verifier, stopwatch)

@@ -29,6 +29,7 @@ import torch
 from .cache import cache_from_layers, cache_layers, clone_layers, read_column, write_column
 from .decode import RowPrefill, decode_step, prefill_alone
 from .policies import StepContext
+from .stopwatch import NoStopwatch
 
 REPAIR_MODES = ("column", "exact")
 
@@ -42,8 +43,10 @@ def overwrite_row_history(cache, row: int, pad_len: int, source) -> None:
 
 
 class _PrefillReference:
-    def __init__(self, model, prompts: list[torch.Tensor], prefills: list[RowPrefill | None], solo_logits=None):
+    def __init__(self, model, prompts: list[torch.Tensor], prefills: list[RowPrefill | None], solo_logits=None,
+                 stopwatch=None):
         self.model, self.prompts, self.prefills = model, prompts, list(prefills)
+        self.clock = stopwatch or NoStopwatch()
         # Diagnostics only: with the solo logits known, every verification whose reference token
         # differs from the solo token on a still-identical prefix is logged as a shortfall.
         self.solo_logits = solo_logits
@@ -93,18 +96,22 @@ class ColumnVerifier(_PrefillReference):
         if ctx.step == 0:
             return self.verify_prefill(ctx, row)
         pad = ctx.pad_lens[row]
-        # The row's history as the batch left it, without this step's column (torch.cat in the
-        # cache update copies, so the batched tensors are not touched).
-        history = [(k[row : row + 1, :, pad:-1], v[row : row + 1, :, pad:-1]) for k, v in cache_layers(ctx.cache)]
-        reference = cache_from_layers(history, self.model.config)
+        with self.clock.section("cache_ops"):
+            # The row's history as the batch left it, without this step's column (torch.cat in
+            # the cache update copies, so the batched tensors are not touched).
+            history = [(k[row : row + 1, :, pad:-1], v[row : row + 1, :, pad:-1]) for k, v in cache_layers(ctx.cache)]
+            reference = cache_from_layers(history, self.model.config)
         length = history[0][0].shape[-2]
-        mask = torch.ones((1, length), dtype=torch.long, device=ctx.logits.device)
-        logits, _ = decode_step(self.model, reference, ctx.fed[row : row + 1], ctx.positions[row : row + 1], mask)
+        with self.clock.section("reference_forward"):
+            mask = torch.ones((1, length), dtype=torch.long, device=ctx.logits.device)
+            logits, _ = decode_step(self.model, reference, ctx.fed[row : row + 1], ctx.positions[row : row + 1], mask)
         self.check_reference(ctx, row, logits[0])
-        token = int(logits[0].argmax())
-        if token == int(ctx.logits[row].argmax()):
+        with self.clock.section("decision_sync"):
+            token, batched_token = int(logits[0].argmax()), int(ctx.logits[row].argmax())
+        if token == batched_token:
             return token, False
-        write_column(ctx.cache, row, pad + length, read_column(reference, 0, length))
+        with self.clock.section("cache_ops"):
+            write_column(ctx.cache, row, pad + length, read_column(reference, 0, length))
         return token, True
 
 
@@ -119,14 +126,15 @@ class Shadow:
 class ExactVerifier(_PrefillReference):
     name = "exact"
 
-    def __init__(self, model, prompts, prefills, solo_logits=None):
-        super().__init__(model, prompts, prefills, solo_logits)
+    def __init__(self, model, prompts, prefills, solo_logits=None, stopwatch=None):
+        super().__init__(model, prompts, prefills, solo_logits, stopwatch)
         self.shadows: list[Shadow | None] = [None] * len(prompts)
 
     def shadow_of(self, row: int) -> Shadow:
         if self.shadows[row] is None:
             prefill = self.prefill_of(row)
-            cache = cache_from_layers(clone_layers(prefill.layers), self.model.config)
+            with self.clock.section("cache_ops"):
+                cache = cache_from_layers(clone_layers(prefill.layers), self.model.config)
             mask = torch.ones((1, len(self.prompts[row])), dtype=torch.long, device=prefill.logits.device)
             self.shadows[row] = Shadow(cache, mask, 0, prefill.logits)
         return self.shadows[row]
@@ -136,31 +144,38 @@ class ExactVerifier(_PrefillReference):
         shadow = self.shadow_of(row)
         device = ctx.logits.device
         prompt_len = len(self.prompts[row])
-        pending = [int(t[row]) for t in ctx.emitted[shadow.fed : ctx.step]]
+        with self.clock.section("decision_sync"):
+            pending = [int(t[row]) for t in ctx.emitted[shadow.fed : ctx.step]]
+        with self.clock.section("reference_forward"):
+            self._replay(shadow, pending, prompt_len, device)
+        shadow.fed = ctx.step
+        return shadow
+
+    def _replay(self, shadow: Shadow, pending: list[int], prompt_len: int, device) -> None:
         for offset, token in enumerate(pending):
             position = torch.tensor([prompt_len + shadow.fed + offset], device=device)
             logits, shadow.mask = decode_step(
                 self.model, shadow.cache, torch.tensor([token], device=device), position, shadow.mask
             )
             shadow.logits = logits[0]
-        shadow.fed = ctx.step
-        return shadow
 
     def verify(self, ctx: StepContext, row: int) -> tuple[int, bool]:
         if ctx.step == 0:
             return self.verify_prefill(ctx, row)
         shadow = self.advance(ctx, row)
         self.check_reference(ctx, row, shadow.logits)
-        token = int(shadow.logits.argmax())
-        if token == int(ctx.logits[row].argmax()):
+        with self.clock.section("decision_sync"):
+            token, batched_token = int(shadow.logits.argmax()), int(ctx.logits[row].argmax())
+        if token == batched_token:
             return token, False
-        overwrite_row_history(ctx.cache, row, ctx.pad_lens[row], shadow.cache)
+        with self.clock.section("cache_ops"):
+            overwrite_row_history(ctx.cache, row, ctx.pad_lens[row], shadow.cache)
         return token, True
 
 
-def make_verifier(mode: str, model, prompts, prefills, solo_logits=None):
+def make_verifier(mode: str, model, prompts, prefills, solo_logits=None, stopwatch=None):
     if mode == "column":
-        return ColumnVerifier(model, prompts, prefills, solo_logits)
+        return ColumnVerifier(model, prompts, prefills, solo_logits, stopwatch)
     if mode == "exact":
-        return ExactVerifier(model, prompts, prefills, solo_logits)
+        return ExactVerifier(model, prompts, prefills, solo_logits, stopwatch)
     raise ValueError(f"unknown repair mode {mode!r}")
