@@ -146,3 +146,54 @@ def summarize_verify(sequences: pd.DataFrame, seconds: dict, shortfalls: list[di
         ],
         "shortfalls": shortfalls,
     }
+
+
+def latency_increment(seconds: float, baseline: float) -> float:
+    """(wall time of a policy - wall time of `none`) / wall time of `none`."""
+    return (seconds - baseline) / baseline
+
+
+def increment_reduction(always_increment: float, gate_increment: float) -> float | None:
+    """increment(always) / increment(margin): how much of always-on's overhead MarginGate removes.
+    None when MarginGate costs nothing measurable (its increment is at or below zero: noise)."""
+    return always_increment / gate_increment if gate_increment > 0 else None
+
+
+def compare_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration: median wall time and spread over repeats, tokens/s, latency increment over
+    `none` (median of the per-repeat increments), determinism, trigger rate, repairs.
+
+    `runs` has one row per (config, repeat) with seconds, tokens, identical, sequences, steps,
+    triggers, repairs.
+    """
+    baseline = runs[runs["config"] == "none"].set_index("repeat")["seconds"]
+    runs = runs.assign(increment=[latency_increment(s, baseline[r]) for s, r in zip(runs["seconds"], runs["repeat"])])
+    table = runs.groupby("config", sort=False).agg(
+        seconds=("seconds", "median"), seconds_min=("seconds", "min"), seconds_max=("seconds", "max"),
+        tokens=("tokens", "first"), increment=("increment", "median"), increment_min=("increment", "min"),
+        increment_max=("increment", "max"), sequences=("sequences", "first"), identical=("identical", "min"),
+        steps=("steps", "first"), triggers=("triggers", "median"), repairs=("repairs", "median"),
+    ).reset_index()
+    table["tokens_per_s"] = table["tokens"] / table["seconds"]
+    table["determinism"] = table["identical"] / table["sequences"]
+    table["trigger_rate"] = table["triggers"] / table["steps"].where(table["steps"] > 0)
+    return table
+
+
+def reductions(runs: pd.DataFrame, repair: str) -> dict:
+    """increment(always/R) / increment(margin/R) per repeat, with its median and spread."""
+    by = runs.set_index(["config", "repeat"])["seconds"]
+    values = []
+    for repeat in sorted(runs["repeat"].unique()):
+        try:
+            base = by[("none", repeat)]
+            always = latency_increment(by[(f"always/{repair}", repeat)], base)
+            gate = latency_increment(by[(next(c for c in runs["config"].unique() if c.startswith("margin") and c.endswith(f"/{repair}")), repeat)], base)
+        except (KeyError, StopIteration):
+            continue
+        values.append(increment_reduction(always, gate))
+    measured = pd.Series([v for v in values if v is not None], dtype=float)
+    if measured.empty:
+        return {"repair": repair, "median": None, "min": None, "max": None, "per_repeat": values}
+    return {"repair": repair, "median": float(measured.median()), "min": float(measured.min()),
+            "max": float(measured.max()), "per_repeat": values}

@@ -400,6 +400,93 @@ def _run_verify(options, specs, needle, required, junit, json_out, out) -> int:
 
 
 @app.command()
+def compare(
+    model: str = ModelOpt,
+    dataset: str = DatasetOpt,
+    limit: int = typer.Option(32, "--limit", "-n", help="Requests (a seeded sample)."),
+    seed: int = SeedOpt,
+    batch_size: int = BatchSizeOpt,
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate per request."),
+    threshold: Optional[float] = typer.Option(None, "--threshold", help="TAU of MarginGate."),
+    threshold_from: Optional[Path] = typer.Option(None, "--threshold-from", help="calibration.json from `mgbench calibrate`."),
+    threshold_unit: str = typer.Option("logit", "--threshold-unit", help="Unit of --threshold: logit or ulp."),
+    repeats: int = typer.Option(3, "--repeats", help="Timed repeats after one warm-up pass (median and spread reported)."),
+    sort_by_length: bool = SortOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    attn: str = AttnOpt,
+    out: Optional[Path] = OutOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Compare MarginGate with always-on verification, the oracle floor, batch-invariant attention and solo decoding.
+
+    Same prompts, same batches, one process, after a warm-up pass: wall time of the decode
+    steps, tokens/s, latency increment over plain batched decoding, trigger rate, repairs and
+    sequence-level determinism for each configuration; the increment reduction always/MarginGate
+    per repair mode; the gate's own cost; where verification time goes. Writes compare.parquet,
+    summary.json, latency_increment.png and determinism_vs_triggers.png.
+
+    Examples:
+
+        mgbench compare --dataset math500 --limit 32 --batch-size 8 --threshold-from calibration.json
+
+        mgbench compare --model llama-3.1-8b --device cuda --batch-size 64 --limit 256 --threshold 0.5
+    """
+    with user_errors(debug):
+        options = RunOptions(model=model, dataset=dataset, limit=limit, seed=seed, batch_sizes=(batch_size,),
+                             max_new_tokens=max_new_tokens, prefill="alone", sort_by_length=sort_by_length,
+                             dtype=dtype, device=device, attn=attn)
+        if threshold is not None and threshold_from is not None:
+            raise UserError("give --threshold or --threshold-from, not both")
+        tau, unit = read_calibration_threshold(threshold_from, model) if threshold_from else (threshold, threshold_unit)
+        policy_specs("margin", "exact", tau, unit)  # validates the threshold
+        if repeats < 1:
+            raise UserError(f"--repeats must be at least 1 (got {repeats})")
+        _run_compare(options, tau, unit, repeats, out or default_out("compare", model, dataset))
+
+
+def _run_compare(options, tau, unit, repeats, out) -> None:
+    from dataclasses import asdict
+
+    import pyarrow as pa
+
+    from . import SCHEMA_VERSION, analysis, compare_run, plots, report, results
+    from .flips import prepare
+
+    run = prepare(options)
+    results.prepare_out_dir(out)
+    lm = load_with_status(options)
+    configs = len(compare_run.configurations(tau, unit))
+    with progress_bar() as progress:
+        tasks = {"solo": progress.add_task("solo references", total=len(run.requests)),
+                 "warmup": progress.add_task("warm-up", total=1),
+                 "configs": progress.add_task(f"{configs} configs x {repeats} repeats", total=configs * repeats)}
+        runs, extra = compare_run.run_compare(lm, run, tau, unit, options.batch_sizes[0], repeats,
+                                              lambda phase, n: progress.advance(tasks[phase], n))
+    table = analysis.compare_table(runs)
+    clean = lambda v: None if isinstance(v, float) and v != v else v  # NaN -> null in JSON
+    summary = {
+        "model": options.model, "dataset": run.config.name, "batch_size": options.batch_sizes[0],
+        "sequences": len(run.requests), "max_new_tokens": run.max_new_tokens, "repeats": repeats,
+        "threshold": tau, "threshold_unit": unit, **extra,
+        "configs": [{k: clean(v) for k, v in row.items()} for row in table.to_dict("records")],
+        "reductions": [analysis.reductions(runs, repair) for repair in ("column", "exact")],
+        "breakdown": [{k: clean(v) for k, v in row.items()}
+                      for row in runs[runs["repeat"] == 0][["config", *[f"t_{b}" for b in compare_run.BREAKDOWN]]]
+                      .dropna(subset=["t_gate"]).to_dict("records")],
+    }
+    manifest = results.manifest("compare", {**asdict(options), "threshold": tau, "threshold_unit": unit,
+                                            "repeats": repeats}, lm.device,
+                                {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source})
+    compare_table = pa.Table.from_pandas(runs, preserve_index=False)
+    compare_table = compare_table.replace_schema_metadata({results.SCHEMA_KEY: SCHEMA_VERSION.encode()})
+    results.publish_run(out, {"compare": compare_table}, {"summary": summary, "manifest": manifest},
+                        lambda staging: plots.compare_plots(table, staging))
+    report.render_compare(console, summary)
+    console.print(f"results: [bold]{out}[/]")
+
+
+@app.command()
 def models() -> None:
     """List the model aliases (any local folder or hub id in the local cache works too)."""
     table = Table(title="models")

@@ -54,3 +54,31 @@ def margin_histograms(steps: pd.DataFrame, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def compare_plots(table: pd.DataFrame, out_dir: Path) -> None:
+    """latency_increment.png (bars with the spread over repeats) and determinism_vs_triggers.png."""
+    shown = table[table["config"] != "none"]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    colors = ["tab:green" if d == 1 else "tab:red" for d in shown["determinism"]]
+    ax.bar(shown["config"], 100 * shown["increment"], color=colors,
+           yerr=[100 * (shown["increment"] - shown["increment_min"]), 100 * (shown["increment_max"] - shown["increment"])])
+    ax.set_ylabel("latency increment over plain batched (%)")
+    ax.set_title("cost of determinism (green: 100% identical to solo, red: not)")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(out_dir / "latency_increment.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    policies = table[table["trigger_rate"].notna()]
+    ax.scatter(100 * policies["trigger_rate"], 100 * policies["determinism"])
+    for row in policies.itertuples():
+        ax.annotate(row.config, (100 * row.trigger_rate, 100 * row.determinism), fontsize=8,
+                    xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("trigger rate (% of decode steps verified)")
+    ax.set_ylabel("sequence-level determinism (%)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "determinism_vs_triggers.png", dpi=110)
+    plt.close(fig)

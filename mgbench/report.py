@@ -139,3 +139,29 @@ def render_verify(console: Console, summary: dict) -> None:
                           str(s["reference_token"]), _fmt(s["batched_margin"], 3), _fmt(s["reference_margin"], 3),
                           _fmt(s["solo_margin"], 3), _fmt(s["reference_vs_solo_max_abs_logit_diff"], 3))
         console.print(short)
+
+
+def render_compare(console: Console, summary: dict) -> None:
+    table = Table(title=f"mgbench compare: {summary['model']} on {summary['dataset']}, batch size {summary['batch_size']}, "
+                        f"{summary['sequences']} requests, median of {summary['repeats']}")
+    for column in ("config", "decode s", "spread", "tok/s", "increment", "determinism", "triggers", "repairs"):
+        table.add_column(column, justify="right")
+    for row in summary["configs"]:
+        ok = row["determinism"] == 1
+        table.add_row(row["config"], _fmt(row["seconds"], 3), f"{_fmt(row['seconds_min'], 3)}-{_fmt(row['seconds_max'], 3)}",
+                      _fmt(row["tokens_per_s"], 3), _pct(row["increment"]),
+                      f"[{'green' if ok else 'red'}]{_pct(row['determinism'])}[/]", _pct(row["trigger_rate"]),
+                      _fmt(row["repairs"]))
+    console.print(table)
+    for r in summary["reductions"]:
+        if r["median"] is not None:
+            console.print(f"increment reduction always/{r['repair']} over margin/{r['repair']}: "
+                          f"[bold]{r['median']:.2f}x[/] (repeats {r['min']:.2f}-{r['max']:.2f}; paper: 2.23x on Llama-3.1-8B)")
+    console.print(f"gate alone (top-2 + decision + sync): {summary['gate_seconds_per_step'] * 1e3:.3f} ms per step, "
+                  f"{_pct(summary['gate_share_of_step'])} of a plain batched step")
+    breakdown = Table(title="where verification time goes (first repeat, seconds)")
+    for column in ("config", "gate", "decision sync", "reference forward", "cache ops"):
+        breakdown.add_column(column, justify="right")
+    for row in summary["breakdown"]:
+        breakdown.add_row(row["config"], *[_fmt(row.get(f"t_{k}"), 3) for k in ("gate", "decision_sync", "reference_forward", "cache_ops")])
+    console.print(breakdown)

@@ -1,0 +1,130 @@
+"""`mgbench compare`: the same prompts and batches decoded under every policy, timed in one process.
+
+Configurations: `none` (plain batched), `always`, `margin<TAU` and `oracle`, each with `column`
+and `exact` repair; `batch-invariant` (per-row attention, the other road to determinism); and
+`solo` (each request alone, sequentially). Every configuration decodes the same batches after
+one warm-up pass; prefill is done alone once and shared, so timings cover the decode steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from . import data
+from .audit import ProgressFn, eos_token_ids, first_divergence, order_requests, pad_token_id
+from .engine.batch_invariant import per_row_attention
+from .engine.metrics import top2_margin
+from .engine.policies import MarginGate, PolicySpec, StepContext
+from .engine.runners import run_free, run_solo, synchronize
+from .engine.stopwatch import Stopwatch
+from .flips import PreparedRun
+
+BREAKDOWN = ("gate", "decision_sync", "reference_forward", "cache_ops")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    spec: PolicySpec | None  # None: a baseline (solo, batch-invariant)
+
+
+def configurations(tau: float, unit: str) -> list[Config]:
+    configs = [Config("none", PolicySpec("none"))]
+    for kind in ("always", "margin", "oracle"):
+        for repair in ("column", "exact"):
+            spec = PolicySpec(kind, repair, tau if kind == "margin" else None, unit)
+            configs.append(Config(spec.label, spec))
+    return configs + [Config("batch-invariant", None), Config("solo", None)]
+
+
+def _decode_config(config: Config, lm, batches, solos, run: PreparedRun, eos_ids, pad_id, stopwatch):
+    """Decode every batch under one configuration: (seconds, outputs per request, triggers, repairs)."""
+    model = lm.model
+    seconds, outputs, triggers, repairs = 0.0, {}, 0, 0
+    for members, prompts in batches:
+        if config.name == "solo":
+            for i, prompt in zip(members, prompts):
+                result = run_solo(model, prompt, run.max_new_tokens, eos_ids)
+                seconds += result.decode_seconds
+                outputs[i] = result.tokens.tolist()
+            continue
+        prefills = [solos[i].row_prefill for i in members]
+        if config.name == "batch-invariant":
+            total = max(len(p) for p in prompts)
+            with per_row_attention(model, [total - len(p) for p in prompts]):
+                free = run_free(model, prompts, prefills, "alone", pad_id, run.max_new_tokens, eos_ids)
+        else:
+            policy = config.spec.build(model, prompts, prefills, [solos[i].logits for i in members],
+                                       run.max_new_tokens, stopwatch)
+            free = run_free(model, prompts, prefills, "alone", pad_id, run.max_new_tokens, eos_ids, policy)
+        seconds += free.decode_seconds
+        triggers += sum(map(sum, free.triggered))
+        repairs += sum(map(sum, free.repaired))
+        outputs.update(dict(zip(members, free.tokens)))
+    return seconds, outputs, triggers, repairs
+
+
+def gate_cost(lm, batches, solos, tau: float, unit: str, repeats: int = 50) -> dict:
+    """Time of the gate alone (top-2, comparison, the host sync of its decision) on real batch logits."""
+    members, prompts = batches[0]
+    logits = torch.stack([solos[i].logits[min(1, len(solos[i].logits) - 1)] for i in members])
+    ctx = StepContext(1, logits, None, [0] * len(members), torch.ones(len(members), dtype=torch.bool,
+                      device=logits.device), None, None, [])
+    gate = MarginGate(tau, unit)
+    gate.flags(ctx).nonzero().tolist()  # warm-up
+    synchronize(logits.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        gate.flags(ctx).nonzero().tolist()
+    synchronize(logits.device)
+    return {"gate_seconds_per_step": (time.perf_counter() - start) / repeats}
+
+
+def run_compare(lm, run: PreparedRun, tau: float, unit: str, batch_size: int, repeats: int,
+                on_progress: ProgressFn) -> tuple[pd.DataFrame, dict]:
+    model, tokenizer, device = lm.model, lm.tokenizer, lm.device
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = pad_token_id(tokenizer, eos_ids)
+    prompts = [data.encode(tokenizer, run.config, r.text) for r in run.requests]
+    order = order_requests(prompts, run.options.sort_by_length)
+    tensors = {i: torch.tensor(prompts[i], dtype=torch.long, device=device) for i in order}
+    batches = [(order[s : s + batch_size], [tensors[i] for i in order[s : s + batch_size]])
+               for s in range(0, len(order), batch_size)]
+    configs = configurations(tau, unit)
+    rows = []
+    with torch.inference_mode():
+        solos = {i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids) for i in order}
+        reference = {i: solos[i].tokens.tolist() for i in order}
+        on_progress("solo", len(order))
+        for config in configs:  # warm-up pass on the first batch, not recorded
+            _decode_config(config, lm, batches[:1], solos, run, eos_ids, pad_id, None)
+        on_progress("warmup", 1)
+        for repeat in range(repeats):
+            for config in configs:
+                stopwatch = Stopwatch(device) if repeat == 0 and config.spec is not None else None
+                seconds, outputs, triggers, repairs = _decode_config(
+                    config, lm, batches, solos, run, eos_ids, pad_id, stopwatch)
+                identical = sum(first_divergence(reference[i], outputs[i]) is None for i in order)
+                if config.name == "none" and repeat == 0:
+                    # batched decode iterations: each batch runs as long as its longest row
+                    iterations = sum(max(len(outputs[i]) for i in members) - 1 for members, _ in batches)
+                rows.append({
+                    "config": config.name, "policy": config.spec.kind if config.spec else config.name,
+                    "repair": config.spec.repair if config.spec and config.spec.kind != "none" else "",
+                    "repeat": repeat, "seconds": seconds,
+                    "tokens": sum(len(outputs[i]) - 1 for i in order), "sequences": len(order),
+                    "identical": identical, "steps": sum(len(outputs[i]) for i in order),
+                    "triggers": triggers, "repairs": repairs,
+                    **{f"t_{name}": (stopwatch.seconds.get(name, 0.0) if stopwatch else None) for name in BREAKDOWN},
+                })
+                on_progress("configs", 1)
+        extra = gate_cost(lm, batches, solos, tau, unit)
+    table = pd.DataFrame(rows)
+    plain_step = table.loc[table["config"] == "none", "seconds"].median() / max(1, iterations)
+    extra["plain_batched_step_seconds"] = plain_step
+    extra["gate_share_of_step"] = extra["gate_seconds_per_step"] / plain_step if plain_step > 0 else None
+    return table, extra
