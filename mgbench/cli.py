@@ -486,6 +486,28 @@ def _run_compare(options, tau, unit, repeats, out) -> None:
     console.print(f"results: [bold]{out}[/]")
 
 
+@app.command("report")
+def report_command(
+    runs: list[Path] = typer.Argument(..., help="Run directories of flips, calibrate, verify or compare."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for report.md and its plots (default: reports/report-TIME/)."),
+    debug: bool = DebugOpt,
+) -> None:
+    """Render report.md with tables and plots from run directories, also ones recorded on another machine.
+
+    Examples:
+
+        mgbench report reports/flips-smollm2-135m-math500-20261202-120000
+
+        mgbench report runs/calibrate runs/verify runs/compare --out docs/results
+    """
+    with user_errors(debug):
+        from .report_md import render
+
+        target = out or Path("reports") / f"report-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        path = render(list(runs), target)
+    console.print(f"report: [bold]{path}[/]")
+
+
 @app.command()
 def models() -> None:
     """List the model aliases (any local folder or hub id in the local cache works too)."""

@@ -22,3 +22,20 @@ def math500_prompts(default_lm):
     config = data.load_config("math500")
     records = data.read_records(config)[:4]
     return [data.encode(default_lm.tokenizer, config, data.prompt_text(config, r)) for r in records]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_lm):
+    """A random-init Llama with the default model's tokenizer, saved as a local model folder.
+    Planted near-tie rows make its batched decoding flip on AVX2 CPUs (pads not multiple of 8)."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    from helpers import plant_near_ties, tiny_llama
+
+    model = tiny_llama(hidden=64, vocab=len(default_lm.tokenizer))
+    model.config.eos_token_id = default_lm.tokenizer.eos_token_id
+    plant_near_ties(model, eps=0.0005)
+    model.save_pretrained(folder)
+    default_lm.tokenizer.save_pretrained(folder)
+    return folder
+
+

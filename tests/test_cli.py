@@ -91,3 +91,7 @@ def test_flips_end_to_end_on_default_model_is_reproducible(tmp_path):
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     for key in ("torch", "transformers", "device", "dtype", "attn", "argv", "git_revision", "options"):
         assert key in manifest
+    report = runner.invoke(app, ["report", str(tmp_path / "a"), "--out", str(tmp_path / "report")])
+    assert report.exit_code == 0, report.output
+    assert "## flips" in (tmp_path / "report" / "report.md").read_text()
+    assert (tmp_path / "report" / "0-margins.png").is_file()

@@ -124,19 +124,6 @@ def test_exact_repair_makes_the_row_history_solo_bitwise(flipping_batch):
 
 # --- the CLI on a tiny local model folder (fast), for exit codes, JUnit and JSON ---
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, default_lm):
-    """A random-init Llama with the default model's tokenizer, saved as a local model folder.
-    Planted near-tie rows make its batched decoding flip on AVX2 CPUs (pads not multiple of 8)."""
-    folder = tmp_path_factory.mktemp("tiny-model")
-    model = tiny_llama(hidden=64, vocab=len(default_lm.tokenizer))
-    model.config.eos_token_id = default_lm.tokenizer.eos_token_id
-    plant_near_ties(model, eps=0.0005)
-    model.save_pretrained(folder)
-    default_lm.tokenizer.save_pretrained(folder)
-    return folder
-
-
 def verify_cli(folder, out, *args):
     from mgbench.cli import app
 

@@ -1,0 +1,129 @@
+"""`mgbench report`: report.md with plots from run directories of any command, from any machine.
+
+Reads only the run directories' JSON and Parquet files (no model, no torch), so runs recorded
+on a GPU box render anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from .errors import UserError
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: cannot read ({exc})") from exc
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def _num(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _table(headers: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def run_kind(run: Path) -> str:
+    if not run.is_dir() or not (run / "manifest.json").is_file():
+        raise UserError(f"{run} is not an mgbench run directory (no manifest.json)")
+    return _read_json(run / "manifest.json").get("command", "unknown")
+
+
+def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
+    from . import plots, results
+
+    s = _read_json(run / "summary.json")
+    lines = _table(["steps", "flips", "flip rate", "sequences", "diverged", "determinism", "solo tok/s", "batched tok/s"],
+                   [[s["steps"], s["flips"], _pct(s["flip_rate"]), s["sequences"], s["sequences_diverged"],
+                     _pct(s["determinism"]), _num(s["solo_tokens_per_s"]), _num(s["batched_tokens_per_s"])]])
+    q = s["margin_logit_quantiles_flip"]
+    lines += [f"Batched margin at flips (logit): median {_num(q.get('q50'))}, max {_num(q.get('q100'))}; "
+              f"at non-flip steps: median {_num(s['margin_logit_quantiles_non_flip'].get('q50'))}.", ""]
+    plots.margin_histograms(results.read_steps(run), out / f"{prefix}margins.png")
+    return lines + [f"![margins]({prefix}margins.png)", ""]
+
+
+def calibrate_section(run: Path, out: Path, prefix: str) -> list[str]:
+    c = _read_json(run / "calibration.json")
+    rows = [[unit, f["flips"], _num(f.get("max_flip_margin")), _num(f["tau_min"]), _pct(f["trigger_rate_min"]),
+             _num(f["tau"]), _pct(f["trigger_rate"]), _pct(f["oracle_trigger_rate"])] for unit, f in c["per_unit"].items()]
+    lines = _table(["unit", "flips", "max flip margin", "minimal TAU", "triggers", f"TAU ({c['safety']})", "triggers",
+                    "oracle"], rows)
+    lines += [f"Bound: {c['bound']['verdict']}.", ""]
+    if c["transfer"]:
+        lines += _table(["dataset", "unit", "TAU", "flips", "missed", "recall", "trigger rate"],
+                        [[t["dataset"], t["unit"], _num(t["tau"]), t["flips"], t["missed"], _pct(t["recall"]),
+                          _pct(t["trigger_rate"])] for t in c["transfer"]])
+    return lines + _copy_plots(run, out, prefix, ("curve.png", "margins.png"))
+
+
+def verify_section(run: Path, out: Path, prefix: str) -> list[str]:
+    s = _read_json(run / "summary.json")
+    lines = _table(["policy", "batch size", "sequences", "identical", "determinism", "trigger rate", "repairs"],
+                   [[r["policy"], r["batch_size"], r["sequences"], r["identical"], _pct(r["determinism"]),
+                     _pct(r["trigger_rate"]), r["repairs"]] for r in s["by_batch_size"]])
+    if s.get("passed") is not None:
+        lines += [f"Required determinism {s['required_determinism']}: {'PASS' if s['passed'] else 'FAIL'}.", ""]
+    return lines
+
+
+def compare_section(run: Path, out: Path, prefix: str) -> list[str]:
+    s = _read_json(run / "summary.json")
+    lines = _table(["config", "decode s (median)", "tok/s", "increment", "determinism", "trigger rate", "repairs"],
+                   [[r["config"], _num(r["seconds"]), _num(r["tokens_per_s"]), _pct(r["increment"]),
+                     _pct(r["determinism"]), _pct(r["trigger_rate"]), _num(r["repairs"])] for r in s["configs"]])
+    for r in s["reductions"]:
+        lines.append(f"- increment reduction always/{r['repair']} over margin/{r['repair']}: {_num(r['median'])}x")
+    lines += [f"- gate alone: {_pct(s['gate_share_of_step'])} of a plain batched step", ""]
+    return lines + _copy_plots(run, out, prefix, ("latency_increment.png", "determinism_vs_triggers.png"))
+
+
+def _copy_plots(run: Path, out: Path, prefix: str, names) -> list[str]:
+    lines = []
+    for name in names:
+        if (run / name).is_file():
+            if (run / name).resolve() != (out / f"{prefix}{name}").resolve():
+                shutil.copyfile(run / name, out / f"{prefix}{name}")
+            lines += [f"![{name}]({prefix}{name})", ""]
+    return lines
+
+
+SECTIONS = {"flips": flips_section, "calibrate": calibrate_section, "verify": verify_section, "compare": compare_section}
+
+
+def render(runs: list[Path], out: Path) -> Path:
+    """Write out/report.md (and its PNGs) for the given run directories."""
+    kinds = [run_kind(run) for run in runs]
+    unknown = [str(r) for r, k in zip(runs, kinds) if k not in SECTIONS]
+    if unknown:
+        raise UserError(f"cannot report on {', '.join(unknown)}: unknown command in manifest.json")
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["# mgbench report", ""]
+    for index, (run, kind) in enumerate(zip(runs, kinds)):
+        manifest = _read_json(run / "manifest.json")
+        options = dict(manifest.get("options", {}))
+        if kind == "calibrate":  # calibrate's model and datasets live in its calibration.json
+            document = _read_json(run / "calibration.json")
+            options.update(model=document.get("model"), dataset=", ".join(document.get("datasets", [])))
+        lines += [f"## {kind}: {run.name}", "",
+                  f"model `{options.get('model', '-')}`, dataset `{options.get('dataset', '-')}`, device "
+                  f"{manifest.get('device_name', '-')}, torch {manifest.get('torch', '-')}, transformers "
+                  f"{manifest.get('transformers', '-')}, mgbench git {str(manifest.get('git_revision', '-'))[:10]}", "",
+                  f"Command: `{' '.join(manifest.get('argv', []))}`", ""]
+        lines += SECTIONS[kind](run, out, f"{index}-")
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,95 @@
+"""compare: ratio arithmetic on synthetic runs, the timing harness on a tiny model, and report
+rendering from recorded run directories."""
+
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from helpers import AVX2
+from mgbench import analysis
+from mgbench.cli import app
+
+runner = CliRunner()
+
+
+def synthetic_runs():
+    rows = []
+    # repeat 0 and 1 (2 is an outlier for `none`): medians must ignore it
+    for repeat, (none, always, margin) in enumerate([(10.0, 30.0, 14.0), (10.0, 34.0, 15.0), (20.0, 30.0, 14.0)]):
+        for config, seconds, triggers in (("none", none, 0), ("always/exact", always, 100), ("margin<0.5/exact", margin, 15)):
+            rows.append({"config": config, "repeat": repeat, "seconds": seconds, "tokens": 200, "sequences": 4,
+                         "identical": 4 if config != "none" else 2, "steps": 100, "triggers": triggers, "repairs": 1})
+    return pd.DataFrame(rows)
+
+
+def test_increment_and_reduction_arithmetic():
+    assert analysis.latency_increment(15.0, 10.0) == pytest.approx(0.5)
+    assert analysis.increment_reduction(2.0, 0.5) == pytest.approx(4.0)
+    assert analysis.increment_reduction(2.0, 0.0) is None and analysis.increment_reduction(2.0, -0.1) is None
+
+
+def test_compare_table_medians_and_increments():
+    table = analysis.compare_table(synthetic_runs()).set_index("config")
+    assert table.loc["none", "seconds"] == 10.0  # median of 10, 10, 20
+    # per-repeat increments of always: 2.0, 2.4, 0.5 -> median 2.0
+    assert table.loc["always/exact", "increment"] == pytest.approx(2.0)
+    assert table.loc["always/exact", "increment_min"] == pytest.approx(0.5)
+    assert table.loc["margin<0.5/exact", "increment"] == pytest.approx(0.4)
+    assert table.loc["none", "determinism"] == 0.5 and table.loc["always/exact", "trigger_rate"] == 1.0
+    assert table.loc["always/exact", "tokens_per_s"] == pytest.approx(200 / 30.0)
+
+
+def test_reductions_per_repeat():
+    result = analysis.reductions(synthetic_runs(), "exact")
+    # repeat 0: 2.0/0.4 = 5; repeat 1: 2.4/0.5 = 4.8; repeat 2: margin faster than none -> not measurable
+    assert result["per_repeat"][:2] == pytest.approx([5.0, 4.8]) and result["per_repeat"][2] is None
+    assert result["median"] == pytest.approx(4.9) and result["min"] == pytest.approx(4.8)
+    assert analysis.reductions(synthetic_runs(), "column")["median"] is None
+
+
+@pytest.fixture(scope="module")
+def compare_run_dir(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "compare"
+    result = runner.invoke(app, ["compare", "--model", str(tiny_model_dir), "--dataset", "gsm8k", "--limit", "4",
+                                 "--batch-size", "4", "--max-new-tokens", "16", "--repeats", "2", "--threshold", "0.05",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_compare_harness_excludes_warmup_and_reports_every_config(compare_run_dir):
+    runs = pd.read_parquet(compare_run_dir / "compare.parquet")
+    configs = ["none", "always/column", "always/exact", "margin<0.05/column", "margin<0.05/exact", "oracle/column",
+               "oracle/exact", "batch-invariant", "solo"]
+    assert list(runs["config"].unique()) == configs
+    assert sorted(runs["repeat"].unique()) == [0, 1]  # the warm-up pass is not recorded
+    assert len(runs) == len(configs) * 2
+    summary = json.loads((compare_run_dir / "summary.json").read_text())
+    by = {c["config"]: c for c in summary["configs"]}
+    assert by["none"]["seconds"] == pytest.approx(runs[runs["config"] == "none"]["seconds"].median())
+    for config in ("always/exact", "oracle/exact", "solo"):
+        assert by[config]["determinism"] == 1.0
+    assert by["oracle/exact"]["triggers"] == by["oracle/exact"]["repairs"]
+    assert summary["gate_share_of_step"] > 0
+    assert {row["config"] for row in summary["breakdown"]} >= {"always/exact", "margin<0.05/column"}
+    assert (compare_run_dir / "latency_increment.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not AVX2, reason="per-row attention is bitwise solo where linear layers are batch-invariant (AVX2)")
+def test_batch_invariant_baseline_is_exact(compare_run_dir):
+    summary = json.loads((compare_run_dir / "summary.json").read_text())
+    by = {c["config"]: c for c in summary["configs"]}
+    assert by["batch-invariant"]["determinism"] == 1.0
+    assert by["none"]["determinism"] < 1.0, "negative control: plain batched decoding of the tiny model diverges"
+
+
+def test_report_renders_recorded_runs(compare_run_dir, tmp_path):
+    result = runner.invoke(app, ["report", str(compare_run_dir), "--out", str(tmp_path / "report")])
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## compare" in text and "increment reduction" in text
+    assert (tmp_path / "report" / "0-latency_increment.png").is_file()
+    bad = runner.invoke(app, ["report", str(tmp_path), "--out", str(tmp_path / "r2")])
+    assert bad.exit_code == 2 and "not an mgbench run directory" in bad.stderr
