@@ -60,6 +60,17 @@ def order_requests(prompts: list[list[int]], sort_by_length: bool) -> list[int]:
     return order
 
 
+def solo_groups(model, prompts: list[list[int]], order: list[int], group_size: int, max_new_tokens: int,
+                eos_ids: set[int], device: str):
+    """Yield (group, prompt tensors, solo results) per group of `group_size` requests in decoding order.
+
+    Solo references are computed once per group and dropped with it, which bounds memory."""
+    for group_start in range(0, len(order), group_size):
+        group = order[group_start : group_start + group_size]
+        tensors = {i: torch.tensor(prompts[i], dtype=torch.long, device=device) for i in group}
+        yield group, tensors, {i: run_solo(model, tensors[i], max_new_tokens, eos_ids) for i in group}
+
+
 def run_audit(
     model,
     tokenizer,
@@ -78,15 +89,10 @@ def run_audit(
     records = AuditRecords()
     batch_id = 0
     with torch.inference_mode():
-        for group_start in range(0, len(order), group_size):
-            group = order[group_start : group_start + group_size]
-            tensors = {i: torch.tensor(prompts[i], dtype=torch.long, device=device) for i in group}
-            solos = {}
-            for i in group:
-                solos[i] = run_solo(model, tensors[i], max_new_tokens, eos_ids)
-                records.solo_tokens += len(solos[i].tokens) - 1
-                records.solo_seconds += solos[i].decode_seconds
-                on_progress("solo", 1)
+        for group, tensors, solos in solo_groups(model, prompts, order, group_size, max_new_tokens, eos_ids, device):
+            records.solo_tokens += sum(len(s.tokens) - 1 for s in solos.values())
+            records.solo_seconds += sum(s.decode_seconds for s in solos.values())
+            on_progress("solo", len(group))
             for batch_size in options.batch_sizes:
                 for start in range(0, len(group), batch_size):
                     members = group[start : start + batch_size]

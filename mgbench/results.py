@@ -28,7 +28,8 @@ SCHEMA_KEY = b"mgbench.schema_version"
 # Parquet names list items "element": declaring it so keeps the schema equal after a round trip.
 TOKEN_IDS = pa.list_(pa.field("element", pa.int32()))
 
-STEP_FIELDS = [
+# Where a row sat: shared by the step and sequence tables.
+PLACEMENT_FIELDS = [
     ("model", pa.string()),
     ("dataset", pa.string()),
     ("request_id", pa.int64()),
@@ -36,6 +37,10 @@ STEP_FIELDS = [
     ("row", pa.int32()),
     ("batch_size", pa.int32()),
     ("pad_len", pa.int32()),
+]
+
+STEP_FIELDS = [
+    *PLACEMENT_FIELDS,
     ("step", pa.int32()),
     ("solo_token", pa.int64()),
     ("batched_token", pa.int64()),
@@ -49,13 +54,7 @@ STEP_FIELDS = [
 ]
 
 SEQUENCE_FIELDS = [
-    ("model", pa.string()),
-    ("dataset", pa.string()),
-    ("request_id", pa.int64()),
-    ("batch_id", pa.int32()),
-    ("row", pa.int32()),
-    ("batch_size", pa.int32()),
-    ("pad_len", pa.int32()),
+    *PLACEMENT_FIELDS,
     ("prompt_len", pa.int32()),
     ("prompt_ids", TOKEN_IDS),
     ("solo_ids", TOKEN_IDS),

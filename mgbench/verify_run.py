@@ -12,24 +12,19 @@ import pyarrow.compute as pc
 import torch
 
 from . import SCHEMA_VERSION, data
-from .audit import ProgressFn, eos_token_ids, first_divergence, order_requests, pad_token_id
+from .audit import ProgressFn, eos_token_ids, first_divergence, order_requests, pad_token_id, solo_groups
 from .engine.policies import PolicySpec
-from .engine.runners import row_prefills, run_free, run_solo
+from .engine.runners import row_prefills, run_free
 from .flips import PreparedRun
-from .results import SCHEMA_KEY
+from .results import PLACEMENT_FIELDS, SCHEMA_KEY, TOKEN_IDS
 
 VERIFY_STEP_FIELDS = [
-    ("model", pa.string()), ("dataset", pa.string()), ("policy", pa.string()), ("repair", pa.string()),
-    ("request_id", pa.int64()), ("batch_id", pa.int32()), ("row", pa.int32()), ("batch_size", pa.int32()),
-    ("pad_len", pa.int32()), ("step", pa.int32()), ("solo_token", pa.int64()), ("batched_token", pa.int64()),
+    *PLACEMENT_FIELDS, ("policy", pa.string()), ("repair", pa.string()), ("step", pa.int32()), ("solo_token", pa.int64()), ("batched_token", pa.int64()),
     ("matches_solo", pa.bool_()), ("margin", pa.float32()), ("margin_ulp", pa.float32()),
     ("triggered", pa.bool_()), ("repaired", pa.bool_()),
 ]
-TOKEN_IDS = pa.list_(pa.field("element", pa.int32()))
 VERIFY_SEQUENCE_FIELDS = [
-    ("model", pa.string()), ("dataset", pa.string()), ("policy", pa.string()), ("repair", pa.string()),
-    ("request_id", pa.int64()), ("batch_id", pa.int32()), ("row", pa.int32()), ("batch_size", pa.int32()),
-    ("pad_len", pa.int32()), ("prompt_len", pa.int32()), ("solo_ids", TOKEN_IDS), ("batched_ids", TOKEN_IDS),
+    *PLACEMENT_FIELDS, ("policy", pa.string()), ("repair", pa.string()), ("prompt_len", pa.int32()), ("solo_ids", TOKEN_IDS), ("batched_ids", TOKEN_IDS),
     ("first_divergence", pa.int32()), ("identical", pa.bool_()), ("steps", pa.int32()), ("triggers", pa.int32()),
     ("repairs", pa.int32()),
 ]
@@ -72,10 +67,7 @@ def run_verify(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, on_p
     records = VerifyRecords()
     batch_id = 0
     with torch.inference_mode():
-        for group_start in range(0, len(order), group_size):
-            group = order[group_start : group_start + group_size]
-            tensors = {i: torch.tensor(prompts[i], dtype=torch.long, device=device) for i in group}
-            solos = {i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids) for i in group}
+        for group, tensors, solos in solo_groups(model, prompts, order, group_size, run.max_new_tokens, eos_ids, device):
             on_progress("solo", len(group))
             for spec in specs:
                 for batch_size in options.batch_sizes:
