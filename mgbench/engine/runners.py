@@ -21,6 +21,26 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+class DecodeTimer:
+    """Elapsed seconds of a decode loop: CUDA events on a GPU (queued with the kernels they
+    bracket), perf_counter after a synchronize elsewhere."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.started = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            return self.begin.elapsed_time(self.end) / 1000.0
+        return time.perf_counter() - self.started
+
+
 @dataclass
 class SoloResult:
     tokens: torch.Tensor  # [n] generated tokens, EOS included when reached
@@ -57,8 +77,7 @@ def run_solo(model, prompt: torch.Tensor, max_new_tokens: int, eos_ids: set[int]
     prefill = clone_layers(cache_layers(cache))
     all_logits, tokens = [logits], [int(logits.argmax())]
     mask = torch.ones((1, len(prompt)), dtype=torch.long, device=prompt.device)
-    synchronize(prompt.device)
-    start = time.perf_counter()
+    timer = DecodeTimer(prompt.device)
     for step in range(1, max_new_tokens):
         if tokens[-1] in eos_ids:
             break
@@ -67,8 +86,7 @@ def run_solo(model, prompt: torch.Tensor, max_new_tokens: int, eos_ids: set[int]
         logits, mask = decode_step(model, cache, token, position, mask)
         all_logits.append(logits[0])
         tokens.append(int(logits[0].argmax()))
-    synchronize(prompt.device)
-    seconds = time.perf_counter() - start
+    seconds = timer.seconds()
     kv = columns_of_row(cache, 0, len(prompt) - 1, len(tokens))
     return SoloResult(torch.tensor(tokens, device=prompt.device), torch.stack(all_logits), prefill, kv, seconds)
 
@@ -160,8 +178,7 @@ def run_free(
     decision = first.decide(StepContext(0, logits, cache, pads, active, None, None, []))
     history = [(decision.tokens, decision.triggered, decision.repaired, active, *step_margins(logits))]
     emitted = [decision.tokens]
-    synchronize(device)
-    start = time.perf_counter()
+    timer = DecodeTimer(device)
     for step in range(1, max_new_tokens):
         active = active & ~torch.isin(emitted[-1], eos)
         if not bool(active.any()):
@@ -173,8 +190,7 @@ def run_free(
         emitted.append(decision.tokens)
         history.append((decision.tokens, decision.triggered & active, decision.repaired & active, active,
                         *step_margins(logits)))
-    synchronize(device)
-    seconds = time.perf_counter() - start
+    seconds = timer.seconds()
 
     tokens, triggered, repaired, alive, margin, margin_ulp = (torch.stack(t, dim=1).cpu() for t in zip(*history))
     keep = [alive[row].nonzero().flatten().tolist() for row in range(batch)]
