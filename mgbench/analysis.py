@@ -120,6 +120,11 @@ def batch_invariance(sequences: pd.DataFrame) -> pd.DataFrame:
     return table.rename(columns={"size": "requests", "sum": "invariant_requests"})
 
 
+def _json_row(row: dict) -> dict:
+    """A table row as JSON-safe values: NaN -> None, numpy integers -> int, strings kept."""
+    return {k: (_finite(v) if isinstance(v, float) else v if isinstance(v, str) else int(v)) for k, v in row.items()}
+
+
 def summarize_verify(sequences: pd.DataFrame, seconds: dict, shortfalls: list[dict], required: float | None) -> dict:
     by = verify_by_policy(sequences, seconds)
     overall = sequences.groupby(["policy", "repair"], sort=False).agg(
@@ -132,7 +137,7 @@ def summarize_verify(sequences: pd.DataFrame, seconds: dict, shortfalls: list[di
     for row in overall.to_dict("records"):
         inv = invariance.loc[row["policy"]]
         policies.append({
-            **{k: (_finite(v) if isinstance(v, float) else (int(v) if not isinstance(v, str) else v)) for k, v in row.items()},
+            **_json_row(row),
             "batch_invariant_requests": int(inv["invariant_requests"]), "requests": int(inv["requests"]),
             "passed": None if required is None else bool(row["determinism"] >= required),
         })
@@ -140,10 +145,7 @@ def summarize_verify(sequences: pd.DataFrame, seconds: dict, shortfalls: list[di
         "required_determinism": required,
         "passed": None if required is None else all(p["passed"] for p in policies),
         "policies": policies,
-        "by_batch_size": [
-            {k: (_finite(v) if isinstance(v, float) else (int(v) if not isinstance(v, str) else v)) for k, v in r.items()}
-            for r in by.to_dict("records")
-        ],
+        "by_batch_size": [_json_row(r) for r in by.to_dict("records")],
         "shortfalls": shortfalls,
     }
 
