@@ -17,7 +17,6 @@ import torch
 from . import data
 from .audit import ProgressFn, eos_token_ids, first_divergence, order_requests, pad_token_id
 from .engine.batch_invariant import per_row_attention
-from .engine.metrics import top2_margin
 from .engine.policies import MarginGate, PolicySpec, StepContext
 from .engine.runners import run_free, run_solo, synchronize
 from .engine.stopwatch import Stopwatch
@@ -70,7 +69,7 @@ def _decode_config(config: Config, lm, batches, solos, run: PreparedRun, eos_ids
 
 def gate_cost(lm, batches, solos, tau: float, unit: str, repeats: int = 50) -> dict:
     """Time of the gate alone (top-2, comparison, the host sync of its decision) on real batch logits."""
-    members, prompts = batches[0]
+    members, _ = batches[0]
     logits = torch.stack([solos[i].logits[min(1, len(solos[i].logits) - 1)] for i in members])
     ctx = StepContext(1, logits, None, [0] * len(members), torch.ones(len(members), dtype=torch.bool,
                       device=logits.device), None, None, [])

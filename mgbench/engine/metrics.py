@@ -17,9 +17,15 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exponent - 8)
 
 
+def margins(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(margin in logits, the same margin in BF16 ulps at the top-1 logit) per row."""
+    margin, top1 = top2_margin(logits)
+    return margin, margin / bf16_ulp(top1)
+
+
 def step_metrics(batched_logits: torch.Tensor, solo_logits: torch.Tensor) -> dict[str, torch.Tensor]:
     """Compare batched vs solo logits of one step, row by row ([B, vocab] each)."""
-    margin, top1 = top2_margin(batched_logits)
+    margin, margin_ulp = margins(batched_logits)
     solo_margin, _ = top2_margin(solo_logits)
     batched_token = batched_logits.argmax(-1)
     solo_token = solo_logits.argmax(-1)
@@ -28,7 +34,7 @@ def step_metrics(batched_logits: torch.Tensor, solo_logits: torch.Tensor) -> dic
         "solo_token": solo_token,
         "flipped": batched_token != solo_token,
         "margin": margin,
-        "margin_ulp": margin / bf16_ulp(top1),
+        "margin_ulp": margin_ulp,
         "solo_margin": solo_margin,
         "max_abs_logit_diff": (batched_logits.float() - solo_logits.float()).abs().amax(-1),
     }

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from .metrics import bf16_ulp, top2_margin
+from .metrics import margins
 
 POLICIES = ("none", "always", "margin", "oracle")
 MARGIN_UNITS = ("logit", "ulp")
@@ -71,10 +71,8 @@ class MarginGate:
     unit: str = "logit"
 
     def flags(self, ctx: StepContext) -> torch.Tensor:
-        margin, top1 = top2_margin(ctx.logits)
-        if self.unit == "ulp":
-            margin = margin / bf16_ulp(top1)
-        return margin < self.tau
+        margin, margin_ulp = margins(ctx.logits)
+        return (margin_ulp if self.unit == "ulp" else margin) < self.tau
 
 
 class OracleGate:

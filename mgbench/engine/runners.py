@@ -9,7 +9,7 @@ import torch
 
 from .cache import LayerKV, cache_layers, clone_layers, columns_of_row
 from .decode import RowPrefill, assemble_prefilled, decode_step, prefill_alone, prefill_batched
-from .metrics import bf16_ulp, kv_relative_delta, step_metrics, top2_margin
+from .metrics import kv_relative_delta, margins, step_metrics
 from .policies import NoVerification, Policy, StepContext
 
 PREFILL_MODES = ("alone", "batched")
@@ -176,7 +176,7 @@ def run_free(
     active = torch.ones(batch, dtype=torch.bool, device=device)
     first = NoVerification() if prefill == "alone" else policy
     decision = first.decide(StepContext(0, logits, cache, pads, active, None, None, []))
-    history = [(decision.tokens, decision.triggered, decision.repaired, active, *step_margins(logits))]
+    history = [(decision.tokens, decision.triggered, decision.repaired, active, *margins(logits))]
     emitted = [decision.tokens]
     timer = DecodeTimer(device)
     for step in range(1, max_new_tokens):
@@ -189,16 +189,10 @@ def run_free(
         decision = policy.decide(StepContext(step, logits, cache, pads, active, fed, positions, emitted))
         emitted.append(decision.tokens)
         history.append((decision.tokens, decision.triggered & active, decision.repaired & active, active,
-                        *step_margins(logits)))
+                        *margins(logits)))
     seconds = timer.seconds()
 
     tokens, triggered, repaired, alive, margin, margin_ulp = (torch.stack(t, dim=1).cpu() for t in zip(*history))
     keep = [alive[row].nonzero().flatten().tolist() for row in range(batch)]
     pick = lambda table: [table[row, idx].tolist() for row, idx in enumerate(keep)]
     return FreeRunResult(pads, pick(tokens), pick(triggered), pick(repaired), pick(margin), pick(margin_ulp), seconds)
-
-
-def step_margins(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(margin, margin in BF16 ulps) of each row's batched logits."""
-    margin, top1 = top2_margin(logits)
-    return margin, margin / bf16_ulp(top1)
