@@ -2,14 +2,15 @@
 
 For each group of requests (the largest batch size), every request is decoded alone once;
 then for each batch size the group is split into batches that run teacher-forced (flips,
-margins, K/V perturbation) and free-running (sequence-level determinism). Solo results are
-kept only for the current group, so memory stays bounded by one group.
+margins, K/V perturbation) and free-running (sequence-level determinism). Records come out one
+group at a time (the unit that is committed, resumed and sharded), so memory stays bounded by
+one group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -17,6 +18,8 @@ import torch
 from .config import RunOptions
 from .data import Request
 from .engine.runners import run_free, run_solo, run_teacher_forced
+from .oom import SplitFn, run_splitting_on_oom
+from .sharding import groups_of
 
 # on_progress(phase, advance): phase is "solo" or "batched"; advance counts requests.
 ProgressFn = Callable[[str, int], None]
@@ -30,6 +33,7 @@ class AuditRecords:
     solo_seconds: float = 0.0
     batched_tokens: dict[int, int] = field(default_factory=dict)
     batched_seconds: dict[int, float] = field(default_factory=dict)
+    oom_splits: list[dict] = field(default_factory=list)  # batches retried smaller after out-of-memory
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -60,18 +64,36 @@ def order_requests(prompts: list[list[int]], sort_by_length: bool) -> list[int]:
     return order
 
 
-def solo_groups(model, prompts: list[list[int]], order: list[int], group_size: int, max_new_tokens: int,
-                eos_ids: set[int], device: str):
-    """Yield (group, prompt tensors, solo results) per group of `group_size` requests in decoding order.
+def plan_groups(prompts: list[list[int]], options: RunOptions) -> list[list[int]]:
+    """Request indices per group, in decoding order. A group is decoded alone once, then split
+    into batches of every batch size; groups are also the unit of resuming and sharding."""
+    return groups_of(order_requests(prompts, options.sort_by_length), max(options.batch_sizes))
+
+
+def batch_id_base(group_index: int, group_size: int, batches_per_member: int) -> int:
+    """First batch id of a group. Each batch holds at least one request, so a group never uses
+    more than group_size * batches_per_member ids (out-of-memory splits included), and ids stay
+    the same whichever process decodes the group."""
+    return group_index * group_size * batches_per_member
+
+
+def solo_groups(model, prompts: list[list[int]], groups: list[list[int]], wanted: Callable[[int], bool],
+                max_new_tokens: int, eos_ids: set[int], device: str):
+    """Yield (group index, group, prompt tensors, solo results) for each wanted group.
 
     Solo references are computed once per group and dropped with it, which bounds memory."""
-    for group_start in range(0, len(order), group_size):
-        group = order[group_start : group_start + group_size]
+    for index, group in enumerate(groups):
+        if not wanted(index):
+            continue
         tensors = {i: torch.tensor(prompts[i], dtype=torch.long, device=device) for i in group}
-        yield group, tensors, {i: run_solo(model, tensors[i], max_new_tokens, eos_ids) for i in group}
+        yield index, group, tensors, {i: run_solo(model, tensors[i], max_new_tokens, eos_ids) for i in group}
 
 
-def run_audit(
+def split_note(batch_size: int, half: int) -> dict:
+    return {"batch_size": batch_size, "retried_as": half}
+
+
+def audit_groups(
     model,
     tokenizer,
     requests: list[Request],
@@ -80,40 +102,53 @@ def run_audit(
     max_new_tokens: int,
     dataset: str,
     device: str,
+    wanted: Callable[[int], bool] = lambda index: True,
     on_progress: ProgressFn = lambda phase, n: None,
-) -> AuditRecords:
+    on_split: SplitFn = lambda batch_size, half: None,
+) -> Iterator[tuple[int, AuditRecords]]:
+    """Yield (group index, records of that group) for every wanted group, in decoding order."""
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
-    order = order_requests(prompts, options.sort_by_length)
+    groups = plan_groups(prompts, options)
     group_size = max(options.batch_sizes)
-    records = AuditRecords()
-    batch_id = 0
+
+    def run_batch(members):
+        batch_prompts = [tensors[i] for i in members]
+        batch_solos = [solos[i] for i in members]
+        forced = run_teacher_forced(model, batch_prompts, batch_solos, options.prefill, pad_id)
+        free = run_free(model, batch_prompts, [s.row_prefill for s in batch_solos], options.prefill, pad_id,
+                        max_new_tokens, eos_ids)
+        return forced, free
+
     with torch.inference_mode():
-        for group, tensors, solos in solo_groups(model, prompts, order, group_size, max_new_tokens, eos_ids, device):
+        for index, group, tensors, solos in solo_groups(model, prompts, groups, wanted, max_new_tokens, eos_ids,
+                                                        device):
+            records = AuditRecords()
             records.solo_tokens += sum(len(s.tokens) - 1 for s in solos.values())
             records.solo_seconds += sum(s.decode_seconds for s in solos.values())
             on_progress("solo", len(group))
+            batch_id = batch_id_base(index, group_size, len(options.batch_sizes))
+
+            def split(batch_size, half):
+                records.oom_splits.append(split_note(batch_size, half))
+                on_split(batch_size, half)
+
             for batch_size in options.batch_sizes:
                 for start in range(0, len(group), batch_size):
-                    members = group[start : start + batch_size]
-                    batch_prompts = [tensors[i] for i in members]
-                    batch_solos = [solos[i] for i in members]
-                    forced = run_teacher_forced(model, batch_prompts, batch_solos, options.prefill, pad_id)
-                    free = run_free(
-                        model, batch_prompts, [s.row_prefill for s in batch_solos], options.prefill, pad_id,
-                        max_new_tokens, eos_ids,
-                    )
-                    records.batched_tokens[batch_size] = records.batched_tokens.get(batch_size, 0) + sum(
-                        len(t) - 1 for t in free.tokens
-                    )
-                    records.batched_seconds[batch_size] = records.batched_seconds.get(batch_size, 0.0) + free.decode_seconds
-                    for row, i in enumerate(members):
-                        _append_rows(records, requests[i], prompts[i], dataset, batch_id, row, len(members),
-                                     forced.pad_lens[row], forced.rows[row], solos[i].tokens.tolist(),
-                                     free.tokens[row], free.triggered[row], free.repaired[row])
-                    batch_id += 1
-                    on_progress("batched", len(members))
-    return records
+                    for members, (forced, free) in run_splitting_on_oom(group[start : start + batch_size],
+                                                                        run_batch, split):
+                        ran = len(members)
+                        records.batched_tokens[ran] = records.batched_tokens.get(ran, 0) + sum(
+                            len(t) - 1 for t in free.tokens
+                        )
+                        records.batched_seconds[ran] = records.batched_seconds.get(ran, 0.0) + free.decode_seconds
+                        for row, i in enumerate(members):
+                            _append_rows(records, requests[i], prompts[i], dataset, batch_id, row, ran,
+                                         forced.pad_lens[row], forced.rows[row], solos[i].tokens.tolist(),
+                                         free.tokens[row], free.triggered[row], free.repaired[row])
+                        batch_id += 1
+                        on_progress("batched", ran)
+            yield index, records
 
 
 def _append_rows(records, request, prompt, dataset, batch_id, row, batch_size, pad_len, forced_row,

@@ -42,7 +42,7 @@ def trace_dir(options: RunOptions) -> Path:
 def traces_for(options: RunOptions, record: Callable[[RunOptions, Path], None]) -> tuple[pd.DataFrame, str, bool]:
     """(steps, folder, reused) of a flips recording; an identical earlier recording is reused."""
     folder = trace_dir(options)
-    reused = (folder / "steps.parquet").is_file()
+    reused = results.is_complete_run(folder)
     if not reused:
         record(options, folder)
     return results.read_steps(folder), str(folder), reused

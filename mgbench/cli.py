@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -39,7 +40,8 @@ def user_errors(debug: bool):
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
-        err_console.print("[bold red]interrupted:[/] nothing was published")
+        err_console.print("[bold red]interrupted:[/] nothing was published; finished groups are kept: "
+                          "rerun with the same --out and --resume to continue")
         raise typer.Exit(130) from None
 
 
@@ -70,6 +72,9 @@ DeviceOpt = typer.Option("auto", "--device", help="auto (cuda if available), cpu
 AttnOpt = typer.Option("sdpa", "--attn", help="Attention implementation: sdpa or eager.")
 OutOpt = typer.Option(None, "--out", "-o", help="Run directory (default: reports/COMMAND-MODEL-DATASET-TIME/).")
 DebugOpt = typer.Option(False, "--debug", help="Show the traceback of an error.")
+ShardOpt = typer.Option(None, "--shard", help="Decode shard I of N (I/N, from 0) into a shared --out; under torchrun RANK/WORLD_SIZE set it.")
+ResumeOpt = typer.Option(False, "--resume", help="Continue an interrupted run in --out from its last finished group of requests.")
+TpPlanOpt = typer.Option(None, "--tp-plan", help="`auto`: split the model over the torchrun processes (transformers tensor parallelism).")
 
 
 @app.command()
@@ -87,6 +92,9 @@ def flips(
     device: str = DeviceOpt,
     attn: str = AttnOpt,
     out: Optional[Path] = OutOpt,
+    shard: Optional[str] = ShardOpt,
+    resume: bool = ResumeOpt,
+    tp_plan: Optional[str] = TpPlanOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Audit flips: decode each request alone and inside batches, compare token by token.
@@ -103,25 +111,83 @@ def flips(
         mgbench flips --dataset gsm8k --limit 16 --batch-sizes 1,4,16 --out runs/gsm8k
 
         mgbench flips --model llama-3.1-8b --dataset math500 --batch-size 64 --device cuda
+
+        mgbench flips --limit 64 --out runs/m --resume                  # continue after a crash
+
+        torchrun --nproc-per-node 8 -m mgbench flips --model llama-3.1-8b --limit 512 --out runs/m8
     """
     with user_errors(debug):
         sizes = parse_batch_sizes(batch_sizes) if batch_sizes else (batch_size,)
         options = RunOptions(
             model=model, dataset=dataset, limit=limit, seed=seed, batch_sizes=sizes,
             max_new_tokens=max_new_tokens, prefill=prefill, sort_by_length=sort_by_length,
-            dtype=dtype, device=device, attn=attn,
+            dtype=dtype, device=rank_device(device), attn=attn, tp_plan=tp_plan,
         )
-        _run_flips(options, out or default_out("flips", model, dataset))
+        placement = Placement.resolve(shard, resume, tp_plan, out)
+        _run_flips(options, placement, out or default_out("flips", model, dataset))
+
+
+def rank_device(device: str) -> str:
+    """Under torchrun each process takes the GPU of its LOCAL_RANK."""
+    from .sharding import torchrun_rank
+
+    launched = torchrun_rank()
+    if launched is None or device not in ("auto", "cuda"):
+        return device
+    import torch
+
+    return f"cuda:{launched[2]}" if torch.cuda.is_available() else device
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which shard this process decodes, whether it resumes, and whether it writes at all."""
+
+    shard: object
+    resume: bool
+    writes: bool  # False on tensor-parallel ranks other than 0: they compute, rank 0 publishes
+
+    @classmethod
+    def resolve(cls, shard_text: str | None, resume: bool, tp_plan: str | None, out: Path | None) -> "Placement":
+        from .sharding import resolve_shard, torchrun_rank
+
+        shard = resolve_shard(shard_text, tensor_parallel=tp_plan is not None)
+        if out is None and (shard.sharded or resume):
+            raise UserError(("--resume" if resume else f"shard {shard}") + " needs --out: the run directory "
+                            "to continue, shared by every shard")
+        launched = torchrun_rank()
+        return cls(shard, resume, not (tp_plan and launched and launched[0] != 0))
+
+
+@contextmanager
+def output_dir(placement: Placement, out: Path):
+    """The run directory, or a throw-away one for a tensor-parallel rank that does not write."""
+    if placement.writes:
+        yield out
+        return
+    import shutil
+    import tempfile
+
+    scratch = Path(tempfile.mkdtemp(prefix="mgbench-tp-rank-"))
+    try:
+        yield scratch / out.name
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def load_with_status(options: RunOptions):
     from .models import load_model
 
     with err_console.status(f"loading {options.model}"):
-        return load_model(options.model, options.dtype, options.device, options.attn)
+        return load_model(options.model, options.dtype, options.device, options.attn, options.tp_plan)
 
 
-def record_with_progress(lm, run, out: Path) -> dict:
+def warn_split(batch_size: int, half: int) -> None:
+    err_console.print(f"[bold yellow]out of memory[/] at batch size {batch_size}: retrying it as batches of "
+                      f"{half} (their rows record batch_size {half}; summary.json lists the split)", highlight=False)
+
+
+def record_with_progress(lm, run, out: Path, writer=None) -> tuple[dict, bool]:
     """One flips recording with progress bars for its solo and batched passes."""
     from .flips import record_flips
 
@@ -131,22 +197,44 @@ def record_with_progress(lm, run, out: Path) -> dict:
             "batched": progress.add_task(f"{run.config.name}: batched (forced + free)",
                                          total=len(run.requests) * len(run.options.batch_sizes)),
         }
-        return record_flips(lm, run, out, lambda phase, n: progress.advance(tasks[phase], n))
+
+        def advance(phase: str, n: int) -> None:
+            if phase == "total":  # what is left to decode (this shard, groups not yet committed)
+                progress.update(tasks["solo"], total=n)
+                progress.update(tasks["batched"], total=n * len(run.options.batch_sizes))
+            else:
+                progress.advance(tasks[phase], n)
+
+        return record_flips(lm, run, out, advance, warn_split, writer)
 
 
-def _run_flips(options: RunOptions, out: Path) -> None:
+def shard_status(placement: Placement, out: Path, complete: bool) -> None:
+    if not placement.shard.sharded:
+        return
+    from .results import missing_shards
+
+    if complete:
+        console.print(f"shard {placement.shard}: done; all shards are in: {out} is complete")
+    else:
+        console.print(f"shard {placement.shard}: done; waiting for shard {', '.join(missing_shards(out))}")
+
+
+def _run_flips(options: RunOptions, placement: Placement, out: Path) -> None:
     # Imported here so that `--help` and input errors answer without loading torch.
-    import pandas as pd
-
     from . import analysis, report, results
-    from .flips import prepare
+    from .flips import open_writer, prepare
 
-    run = prepare(options)
-    results.prepare_out_dir(out)
-    lm = load_with_status(options)
-    summary = record_with_progress(lm, run, out)
-    sequences = pd.read_parquet(out / "sequences.parquet")
+    run = prepare(options, placement.shard, placement.resume)
+    with output_dir(placement, out) as target, open_writer(run, target) as writer:
+        lm = load_with_status(options)
+        summary, complete = record_with_progress(lm, run, target, writer)
+    if not placement.writes:
+        return
+    # This process's own batches: the whole run, or this shard's part.
+    source = results.shard_part(out, "sequences", placement.shard) if placement.shard.sharded else out / "sequences.parquet"
+    sequences = results.read_table(source, results.SEQUENCES_SCHEMA).to_pandas()
     report.render_flips(console, summary, analysis.batch_pad_lengths(sequences))
+    shard_status(placement, out, complete)
     console.print(f"results: [bold]{out}[/]")
 
 
@@ -211,16 +299,18 @@ def _run_calibrate(runs, record_options, options, transfer_items, require_flips,
     import pandas as pd
 
     from . import calibrate_run, report, results
-    from .flips import prepare
+    from .flips import open_writer, prepare
 
     results.prepare_out_dir(out)
     loaded = {}
 
     def record(opts: RunOptions, folder: Path) -> None:
-        run = prepare(opts)
-        if "lm" not in loaded:
-            loaded["lm"] = load_with_status(opts)
-        record_with_progress(loaded["lm"], run, folder)
+        # Recording a trace always resumes: an interrupted calibrate continues where it stopped.
+        run = prepare(opts, resume=True)
+        with open_writer(run, folder) as writer:
+            if "lm" not in loaded:
+                loaded["lm"] = load_with_status(opts)
+            record_with_progress(loaded["lm"], run, folder, writer)
 
     def traces(item: str):
         path = Path(item)
@@ -323,6 +413,9 @@ def verify(
     device: str = DeviceOpt,
     attn: str = AttnOpt,
     out: Optional[Path] = OutOpt,
+    shard: Optional[str] = ShardOpt,
+    resume: bool = ResumeOpt,
+    tp_plan: Optional[str] = TpPlanOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Verify: decode in batches under a verification policy; every output must equal its solo reference.
@@ -341,12 +434,15 @@ def verify(
         mgbench verify --policy margin,always,oracle --repair column,exact --threshold 0.47 --json
 
         mgbench verify --needle --batch-sizes 16 --threshold 0.47 --junit verify.xml
+
+        mgbench verify --threshold 0.47 --shard 1/4 --out runs/verify     # one of 4 processes
     """
     with user_errors(debug):
         sizes = parse_batch_sizes(batch_sizes)
         options = RunOptions(
             model=model, dataset=dataset, limit=limit, seed=seed, batch_sizes=sizes, max_new_tokens=max_new_tokens,
-            prefill=prefill, sort_by_length=sort_by_length, dtype=dtype, device=device, attn=attn,
+            prefill=prefill, sort_by_length=sort_by_length, dtype=dtype, device=rank_device(device), attn=attn,
+            tp_plan=tp_plan,
         )
         if threshold is not None and threshold_from is not None:
             raise UserError("give --threshold or --threshold-from, not both")
@@ -356,45 +452,47 @@ def verify(
         specs = policy_specs(policy, repair, tau, unit)
         if require_determinism is not None and not 0 <= require_determinism <= 1:
             raise UserError(f"--require-determinism {require_determinism}: use a fraction in [0, 1]")
-        code = _run_verify(options, specs, needle, require_determinism, junit, json_out,
+        placement = Placement.resolve(shard, resume, tp_plan, out)
+        code = _run_verify(options, placement, specs, needle, require_determinism, junit, json_out,
                            out or default_out("verify", model, dataset))
     raise typer.Exit(code)
 
 
-def _run_verify(options, specs, needle, required, junit, json_out, out) -> int:
+def _run_verify(options, placement, specs, needle, required, junit, json_out, out) -> int:
     import json
-    from dataclasses import asdict
 
-    from . import analysis, report, results, verify_run
+    from . import report, results, verify_run
     from .flips import prepare
     from .junit import junit_xml, write_junit
 
-    run = prepare(options)
-    results.prepare_out_dir(out)
-    lm = load_with_status(options)
-    rows = len(run.requests) * len(options.batch_sizes) * len(specs)
-    with progress_bar() as progress:
-        tasks = {"solo": progress.add_task("solo (batch size 1)", total=len(run.requests)),
-                 "batched": progress.add_task(f"batched x {len(specs)} policies", total=rows)}
-        records = verify_run.run_verify(lm, run, specs, needle, lambda phase, n: progress.advance(tasks[phase], n))
-    steps, sequences = verify_run.steps_table(records), verify_run.sequences_table(records)
-    summary = {
-        "model": options.model, "dataset": run.config.name, "prefill": options.prefill, "needle": needle,
-        "batch_sizes": list(options.batch_sizes), "max_new_tokens": run.max_new_tokens,
-        "threshold": next((s.tau for s in specs if s.kind == "margin"), None),
-        "threshold_unit": next((s.unit for s in specs if s.kind == "margin"), None),
-        **analysis.summarize_verify(sequences.to_pandas(), records.seconds, records.shortfalls, required),
-    }
-    manifest = results.manifest("verify", {**asdict(options), "policies": [s.label for s in specs], "needle": needle,
-                                            "require_determinism": required}, lm.device,
-                                {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source})
-    results.publish_run(out, {"steps": steps, "sequences": sequences}, {"summary": summary, "manifest": manifest})
+    run = prepare(options, placement.shard, placement.resume)
+    with output_dir(placement, out) as target, verify_run.open_writer(run, specs, needle, target) as writer:
+        lm = load_with_status(options)
+        with progress_bar() as progress:
+            tasks = {"solo": progress.add_task("solo (batch size 1)", total=len(run.requests)),
+                     "batched": progress.add_task(f"batched x {len(specs)} policies", total=None)}
+            factor = len(options.batch_sizes) * len(specs)
+
+            def advance(phase: str, n: int) -> None:
+                if phase == "total":
+                    progress.update(tasks["solo"], total=n)
+                    progress.update(tasks["batched"], total=n * factor)
+                else:
+                    progress.advance(tasks[phase], n)
+
+            summary, complete = verify_run.record_verify(lm, run, specs, needle, required, writer, advance, warn_split)
+    if not placement.writes:
+        return 0
     if junit is not None:
-        write_junit(junit, junit_xml(sequences.to_pandas(), 1.0 if required is None else required))
+        source = (results.shard_part(out, "sequences", placement.shard) if placement.shard.sharded
+                  else out / "sequences.parquet")
+        sequences = results.read_table(source, verify_run.VERIFY_SEQUENCES_SCHEMA).to_pandas()
+        write_junit(junit, junit_xml(sequences, 1.0 if required is None else required))
     if json_out:
         print(json.dumps(summary, indent=2))
     else:
         report.render_verify(console, summary)
+        shard_status(placement, out, complete)
         console.print(f"results: [bold]{out}[/]")
     return 1 if summary["passed"] is False else 0
 
@@ -416,6 +514,7 @@ def compare(
     device: str = DeviceOpt,
     attn: str = AttnOpt,
     out: Optional[Path] = OutOpt,
+    tp_plan: Optional[str] = TpPlanOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Compare MarginGate with always-on verification, the oracle floor, batch-invariant attention and solo decoding.
@@ -435,38 +534,52 @@ def compare(
     with user_errors(debug):
         options = RunOptions(model=model, dataset=dataset, limit=limit, seed=seed, batch_sizes=(batch_size,),
                              max_new_tokens=max_new_tokens, prefill="alone", sort_by_length=sort_by_length,
-                             dtype=dtype, device=device, attn=attn)
+                             dtype=dtype, device=rank_device(device), attn=attn, tp_plan=tp_plan)
         if threshold is not None and threshold_from is not None:
             raise UserError("give --threshold or --threshold-from, not both")
         tau, unit = read_calibration_threshold(threshold_from, model) if threshold_from else (threshold, threshold_unit)
         policy_specs("margin", "exact", tau, unit)  # validates the threshold
         if repeats < 1:
             raise UserError(f"--repeats must be at least 1 (got {repeats})")
-        _run_compare(options, tau, unit, repeats, out or default_out("compare", model, dataset))
+        placement = Placement.resolve(None, False, tp_plan, out)
+        _run_compare(options, placement, tau, unit, repeats, out or default_out("compare", model, dataset))
 
 
-def _run_compare(options, tau, unit, repeats, out) -> None:
+def _run_compare(options, placement, tau, unit, repeats, out) -> None:
     from dataclasses import asdict
 
     import pyarrow as pa
 
     from . import SCHEMA_VERSION, analysis, compare_run, plots, report, results
     from .flips import prepare
+    from .oom import run_shrinking_on_oom
 
     run = prepare(options)
-    results.prepare_out_dir(out)
+    if placement.writes:
+        results.prepare_out_dir(out)
     lm = load_with_status(options)
     configs = len(compare_run.configurations(tau, unit))
     with progress_bar() as progress:
         tasks = {"solo": progress.add_task("solo references", total=len(run.requests)),
                  "warmup": progress.add_task("warm-up", total=1),
                  "configs": progress.add_task(f"{configs} configs x {repeats} repeats", total=configs * repeats)}
-        runs, extra = compare_run.run_compare(lm, run, tau, unit, options.batch_sizes[0], repeats,
-                                              lambda phase, n: progress.advance(tasks[phase], n))
+
+        def shrink(batch_size: int, half: int) -> None:
+            warn_split(batch_size, half)
+            for task in tasks.values():
+                progress.reset(task)
+
+        batch_size, (runs, extra) = run_shrinking_on_oom(
+            options.batch_sizes[0],
+            lambda size: compare_run.run_compare(lm, run, tau, unit, size, repeats,
+                                                 lambda phase, n: progress.advance(tasks[phase], n)),
+            shrink,
+        )
     table = analysis.compare_table(runs)
     clean = lambda v: None if isinstance(v, float) and v != v else v  # NaN -> null in JSON
     summary = {
-        "model": options.model, "dataset": run.config.name, "batch_size": options.batch_sizes[0],
+        "model": options.model, "dataset": run.config.name, "batch_size": batch_size,
+        "requested_batch_size": options.batch_sizes[0],
         "sequences": len(run.requests), "max_new_tokens": run.max_new_tokens, "repeats": repeats,
         "threshold": tau, "threshold_unit": unit, **extra,
         "configs": [{k: clean(v) for k, v in row.items()} for row in table.to_dict("records")],
@@ -478,6 +591,8 @@ def _run_compare(options, tau, unit, repeats, out) -> None:
     manifest = results.manifest("compare", {**asdict(options), "threshold": tau, "threshold_unit": unit,
                                             "repeats": repeats}, lm.device,
                                 {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source})
+    if not placement.writes:
+        return
     compare_table = pa.Table.from_pandas(runs, preserve_index=False)
     compare_table = compare_table.replace_schema_metadata({results.SCHEMA_KEY: SCHEMA_VERSION.encode()})
     results.publish_run(out, {"compare": compare_table}, {"summary": summary, "manifest": manifest},

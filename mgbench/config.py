@@ -33,6 +33,7 @@ class RunOptions:
     dtype: str = "bf16"
     device: str = "auto"
     attn: str = "sdpa"
+    tp_plan: str | None = None  # transformers tensor parallelism ("auto") under torchrun
 
     def __post_init__(self) -> None:
         if any(b < 1 for b in self.batch_sizes):
@@ -49,3 +50,5 @@ class RunOptions:
             raise UserError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if self.attn not in ATTN_IMPLEMENTATIONS:
             raise UserError(f"--attn {self.attn!r}: choose one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+        if self.tp_plan not in (None, "auto"):
+            raise UserError(f"--tp-plan {self.tp_plan!r}: the only plan is auto (the model's own tensor-parallel plan)")

@@ -147,7 +147,14 @@ def resolve_source(name: str) -> str:
     raise UserError(f"unknown model {name!r}: use an alias ({known}), a local folder or a hub id (`mgbench models`)")
 
 
-def load_model(name: str, dtype: str = "bf16", device: str = "auto", attn: str = "sdpa") -> LoadedModel:
+def placement_kwargs(device: str, tp_plan: str | None) -> dict:
+    """from_pretrained placement: one device, or transformers' tensor parallelism across the
+    torchrun processes (each holds a slice of every layer; all decode the same batch)."""
+    return {"tp_plan": tp_plan} if tp_plan else {"device_map": device}
+
+
+def load_model(name: str, dtype: str = "bf16", device: str = "auto", attn: str = "sdpa",
+               tp_plan: str | None = None) -> LoadedModel:
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     if attn not in ATTN_IMPLEMENTATIONS:
@@ -167,7 +174,7 @@ def load_model(name: str, dtype: str = "bf16", device: str = "auto", attn: str =
             attn_implementation=attn,
             local_files_only=True,
             trust_remote_code=False,
-            device_map=device,
+            **placement_kwargs(device, tp_plan),
         )
     except OSError as exc:
         raise UserError(
@@ -175,4 +182,6 @@ def load_model(name: str, dtype: str = "bf16", device: str = "auto", attn: str =
             f"download it first (`hf download {source}`) or pass a local folder"
         ) from exc
     model.eval()
+    if tp_plan:
+        device = str(model.device)
     return LoadedModel(name=name, source=source, model=model, tokenizer=tokenizer, dtype=dtype, device=device, attn=attn)

@@ -79,6 +79,15 @@ def render_flips(console: Console, summary: dict, pads: pd.DataFrame) -> None:
     if len(pads) > len(shown):
         pad_table.add_row("...", "", f"{len(pads) - len(shown)} more batches in sequences.parquet")
     console.print(pad_table)
+    render_oom_splits(console, summary.get("oom_splits") or [])
+
+
+def render_oom_splits(console: Console, splits: list[dict]) -> None:
+    """Batches that ran out of memory were retried smaller: say so, with their sizes."""
+    if splits:
+        sizes = ", ".join(f"{s['batch_size']} -> {s['retried_as']}" for s in splits)
+        console.print(f"[bold yellow]out of memory:[/] {len(splits)} batch(es) retried smaller ({sizes}); "
+                      "their rows record the batch size they ran at")
 
 
 def render_calibration(console: Console, document: dict) -> None:
@@ -139,6 +148,7 @@ def render_verify(console: Console, summary: dict) -> None:
                           str(s["reference_token"]), _fmt(s["batched_margin"], 3), _fmt(s["reference_margin"], 3),
                           _fmt(s["solo_margin"], 3), _fmt(s["reference_vs_solo_max_abs_logit_diff"], 3))
         console.print(short)
+    render_oom_splits(console, summary.get("oom_splits") or [])
 
 
 def render_compare(console: Console, summary: dict) -> None:

@@ -2,7 +2,9 @@
 
 A run directory holds steps.parquet, sequences.parquet, summary.json and manifest.json. It is
 written into a hidden staging folder beside the target and renamed into place at the end, so
-a crash never leaves a directory that looks complete.
+a crash never leaves a directory that looks complete. A sharded run directory holds each table
+as a folder of parts (steps/part-I-of-N.parquet, one per shard: a pyarrow dataset), one
+shards/I-of-N.json per finished shard, and summary.json and manifest.json once all are in.
 """
 
 from __future__ import annotations
@@ -106,12 +108,72 @@ def read_table(path: Path, expected: pa.Schema) -> pa.Table:
     return table
 
 
+def shard_part(run: Path, table: str, shard) -> Path:
+    return run / table / f"part-{shard.label}.parquet"
+
+
+def shard_marker(run: Path, shard) -> Path:
+    return run / "shards" / f"{shard.label}.json"
+
+
+def shard_documents(run: Path) -> list[dict]:
+    """The records of a sharded run's finished shards (summary, manifest, fingerprint of each)."""
+    documents = []
+    for path in sorted((run / "shards").glob("*.json")):
+        try:
+            documents.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{path}: cannot read this shard record ({exc})") from exc
+    return documents
+
+
+def missing_shards(run: Path) -> list[str]:
+    """Shards (I/N) of a sharded run directory that have not finished; ['all'] when none has."""
+    from .sharding import Shard
+
+    documents = shard_documents(run)
+    if not documents:
+        return ["all"]
+    count = documents[0]["fingerprint"]["shards"]
+    return [str(Shard(i, count)) for i in range(count) if not shard_marker(run, Shard(i, count)).exists()]
+
+
+def is_complete_run(run: Path) -> bool:
+    return (run / "manifest.json").is_file()
+
+
+# Rows of a run's tables are ordered by batch, row and step; merged shards are put back in it.
+CANONICAL_ORDER = ("batch_id", "row", "step")
+
+
+def read_run_table(run: Path, name: str, expected: pa.Schema) -> pa.Table:
+    """Table `name` of a run directory: NAME.parquet, or the parts of a sharded run merged in the
+    order one process would have written them."""
+    single = run / f"{name}.parquet"
+    if single.is_file():
+        return read_table(single, expected)
+    if not (run / name).is_dir():
+        raise UserError(f"{run} is not a run directory (no {name}.parquet)")
+    missing = missing_shards(run)
+    if missing:
+        raise UserError(f"{run} is incomplete: shard {', '.join(missing)} has not finished; run it with "
+                        "--shard I/N (add --resume after a crash)")
+    from .sharding import Shard
+
+    count = shard_documents(run)[0]["fingerprint"]["shards"]
+    tables = [read_table(shard_part(run, name, Shard(i, count)), expected) for i in range(count)]
+    merged = pa.concat_tables(tables)
+    keys = [(key, "ascending") for key in CANONICAL_ORDER if key in merged.schema.names]
+    return merged.sort_by(keys) if keys else merged
+
+
 def read_steps(run: Path):
-    """The steps table (pandas) of a run directory or of a steps.parquet path."""
-    path = run / "steps.parquet" if run.is_dir() else run
-    if not path.exists():
-        raise UserError(f"{run} is not a run directory (no steps.parquet)")
-    return read_table(path, STEPS_SCHEMA).to_pandas()
+    """The steps table (pandas) of a run directory (sharded or not) or of a steps.parquet path."""
+    if run.is_dir():
+        return read_run_table(run, "steps", STEPS_SCHEMA).to_pandas()
+    if not run.exists():
+        raise UserError(f"{run} does not exist")
+    return read_table(run, STEPS_SCHEMA).to_pandas()
 
 
 def git_revision() -> str:
@@ -154,16 +216,25 @@ def manifest(command: str, options: dict, device: str, extra: dict | None = None
     }
 
 
-def prepare_out_dir(out: Path) -> None:
-    """Fail early (before any decoding) when the run directory cannot be published."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+def _looks_sharded(out: Path) -> bool:
+    return (out / "shards").is_dir() or any(out.glob(".shard-*.partial"))
+
+
+def prepare_out_dir(out: Path, sharded: bool = False) -> None:
+    """Fail early (before any decoding) when the run directory cannot be published.
+
+    A sharded run directory may already hold other shards' files."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; choose a directory")
+    if out.exists() and any(out.iterdir()) and not (sharded and _looks_sharded(out)):
         raise UserError(f"--out {out} already exists and is not empty; choose another directory or remove it")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        # A real write, not os.access: that answers yes to root on a read-only file system.
+        probe = tempfile.NamedTemporaryFile(dir=out.parent, prefix=".mgbench-probe-")
+        probe.close()
     except OSError as exc:
-        raise UserError(f"--out {out}: cannot create its parent directory ({exc.strerror})") from exc
-    if not os.access(out.parent, os.W_OK):
-        raise UserError(f"--out {out}: directory {out.parent} is not writable")
+        raise UserError(f"--out {out}: cannot write in {out.parent} ({exc.strerror}); choose a writable directory") from exc
 
 
 def publish_run(out: Path, tables: dict[str, pa.Table], documents: dict[str, dict], write_extra=None) -> Path:
@@ -177,7 +248,7 @@ def publish_run(out: Path, tables: dict[str, pa.Table], documents: dict[str, dic
         for name, table in tables.items():
             pq.write_table(table, staging / f"{name}.parquet")
         for name, document in documents.items():
-            (staging / f"{name}.json").write_text(json.dumps(document, indent=2, default=_json_default) + "\n")
+            (staging / f"{name}.json").write_text(json.dumps(document, indent=2, default=json_default) + "\n")
         if write_extra is not None:
             write_extra(staging)
         if out.exists():
@@ -189,7 +260,7 @@ def publish_run(out: Path, tables: dict[str, pa.Table], documents: dict[str, dic
     return out
 
 
-def _json_default(value):
+def json_default(value):
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, Path):

@@ -3,19 +3,24 @@ compared with its solo reference, over batch sizes and (needle mode) positions i
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from . import SCHEMA_VERSION, data
-from .audit import ProgressFn, eos_token_ids, first_divergence, order_requests, pad_token_id, solo_groups
+from . import SCHEMA_VERSION, analysis, data, results
+from .audit import (ProgressFn, batch_id_base, eos_token_ids, first_divergence, pad_token_id, plan_groups,
+                    solo_groups, split_note)
 from .engine.policies import PolicySpec
 from .engine.runners import row_prefills, run_free
-from .flips import PreparedRun
+from .flips import PreparedRun, fingerprint
+from .parts import RunWriter, finish_run, owned_groups
+from .oom import SplitFn, run_splitting_on_oom
 from .results import PLACEMENT_FIELDS, SCHEMA_KEY, TOKEN_IDS
 
 VERIFY_STEP_FIELDS = [
@@ -38,6 +43,7 @@ class VerifyRecords:
     sequences: list[dict] = field(default_factory=list)
     shortfalls: list[dict] = field(default_factory=list)
     seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (policy label, batch size) -> decode s
+    oom_splits: list[dict] = field(default_factory=list)  # batches retried smaller after out-of-memory
 
 
 def needle_layout(request_id: int, batch_size: int, fillers: int, seed: int) -> tuple[int, list[int]]:
@@ -55,42 +61,72 @@ def filler_prompts(run: PreparedRun, tokenizer, count: int) -> list[list[int]]:
     return [data.encode(tokenizer, run.config, data.prompt_text(run.config, records[i])) for i in picks]
 
 
-def run_verify(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, on_progress: ProgressFn) -> VerifyRecords:
+def group_record(records: VerifyRecords) -> dict:
+    """Timings, shortfalls and out-of-memory splits of one group, kept beside its table parts."""
+    return {"seconds": [{"policy": label, "batch_size": b, "seconds": t} for (label, b), t in records.seconds.items()],
+            "shortfalls": records.shortfalls, "oom_splits": records.oom_splits}
+
+
+def verify_groups(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, wanted: Callable[[int], bool],
+                  on_progress: ProgressFn, on_split: SplitFn) -> Iterator[tuple[int, VerifyRecords]]:
+    """Yield (group index, records of that group) for every wanted group, in decoding order."""
     model, tokenizer, options, device = lm.model, lm.tokenizer, run.options, lm.device
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
     prompts = [data.encode(tokenizer, run.config, r.text) for r in run.requests]
     fillers = filler_prompts(run, tokenizer, 16) if needle else []
     filler_tensors = [torch.tensor(p, dtype=torch.long, device=device) for p in fillers]
-    order = order_requests(prompts, options.sort_by_length)
+    groups = plan_groups(prompts, options)
     group_size = max(options.batch_sizes)
-    records = VerifyRecords()
-    batch_id = 0
+    on_progress("total", sum(len(group) for index, group in enumerate(groups) if wanted(index)))
     with torch.inference_mode():
-        for group, tensors, solos in solo_groups(model, prompts, order, group_size, run.max_new_tokens, eos_ids, device):
+        for index, group, tensors, solos in solo_groups(model, prompts, groups, wanted, run.max_new_tokens, eos_ids,
+                                                        device):
             on_progress("solo", len(group))
+            records = VerifyRecords()
+            batch_id = batch_id_base(index, group_size, len(options.batch_sizes) * len(specs))
+
+            def split(batch_size, half):
+                records.oom_splits.append(split_note(batch_size, half))
+                on_split(batch_size, half)
+
             for spec in specs:
                 for batch_size in options.batch_sizes:
                     for members, rows, batch_prompts, references in _batches(
                         group, batch_size, tensors, solos, needle, filler_tensors, run, options.seed
                     ):
-                        prefills = row_prefills(model, batch_prompts, references["prefills"])
-                        policy = spec.build(model, batch_prompts, prefills, references["logits"], run.max_new_tokens)
-                        free = run_free(model, batch_prompts, prefills, options.prefill, pad_id,
-                                        run.max_new_tokens, eos_ids, policy)
-                        key = (spec.label, batch_size)
-                        records.seconds[key] = records.seconds.get(key, 0.0) + free.decode_seconds
-                        for shortfall in getattr(getattr(policy, "verifier", None), "shortfalls", []):
-                            if shortfall["row"] in rows:
-                                request = run.requests[members[rows.index(shortfall["row"])]]
-                                records.shortfalls.append({"policy": spec.label, "batch_size": batch_size,
-                                                           "request_id": request.request_id, **shortfall})
-                        for i, row in zip(members, rows):
-                            _append(records, run, spec, batch_id, row, len(batch_prompts), free, prompts[i],
-                                    run.requests[i].request_id, solos[i].tokens.tolist())
-                        batch_id += 1
+                        def run_batch(chosen, rows=rows, batch_prompts=batch_prompts, references=references,
+                                      members=members):
+                            if len(chosen) != len(members):  # an out-of-memory half of a plain batch
+                                picked = [members.index(i) for i in chosen]
+                                return _run_batch(model, run, spec, pad_id, eos_ids, [batch_prompts[k] for k in picked],
+                                                  {key: [v[k] for k in picked] for key, v in references.items()})
+                            return _run_batch(model, run, spec, pad_id, eos_ids, batch_prompts, references)
+
+                        outcome = run_splitting_on_oom(members, run_batch, split, len(batch_prompts))
+                        for chosen, (free, policy) in outcome:
+                            chosen_rows = rows if len(outcome) == 1 else list(range(len(chosen)))
+                            ran = len(batch_prompts) if len(outcome) == 1 else len(chosen)
+                            key = (spec.label, ran)
+                            records.seconds[key] = records.seconds.get(key, 0.0) + free.decode_seconds
+                            for shortfall in getattr(getattr(policy, "verifier", None), "shortfalls", []):
+                                if shortfall["row"] in chosen_rows:
+                                    request = run.requests[chosen[chosen_rows.index(shortfall["row"])]]
+                                    records.shortfalls.append({"policy": spec.label, "batch_size": ran,
+                                                               "request_id": request.request_id, **shortfall})
+                            for i, row in zip(chosen, chosen_rows):
+                                _append(records, run, spec, batch_id, row, ran, free, prompts[i],
+                                        run.requests[i].request_id, solos[i].tokens.tolist())
+                            batch_id += 1
                         on_progress("batched", len(members))
-    return records
+            yield index, records
+
+
+def _run_batch(model, run, spec, pad_id, eos_ids, batch_prompts, references):
+    prefills = row_prefills(model, batch_prompts, references["prefills"])
+    policy = spec.build(model, batch_prompts, prefills, references["logits"], run.max_new_tokens)
+    free = run_free(model, batch_prompts, prefills, run.options.prefill, pad_id, run.max_new_tokens, eos_ids, policy)
+    return free, policy
 
 
 def _batches(group, batch_size, tensors, solos, needle, fillers, run, seed):
@@ -156,3 +192,47 @@ def steps_table(records: VerifyRecords) -> pa.Table:
 
 def sequences_table(records: VerifyRecords) -> pa.Table:
     return pa.Table.from_pylist(records.sequences, schema=VERIFY_SEQUENCES_SCHEMA)
+
+
+SCHEMAS = {"steps": VERIFY_STEPS_SCHEMA, "sequences": VERIFY_SEQUENCES_SCHEMA}
+
+
+def summarize(run: PreparedRun, specs: list[PolicySpec], needle: bool, required: float | None,
+              tables: dict[str, pa.Table], group_records: list[dict]) -> dict:
+    """Summary of a verify run from its sequences table and its groups' timings and shortfalls."""
+    seconds: dict[tuple[str, int], float] = {}
+    for record in group_records:
+        for entry in record["seconds"]:
+            key = (entry["policy"], entry["batch_size"])
+            seconds[key] = seconds.get(key, 0.0) + entry["seconds"]
+    margin = next((s for s in specs if s.kind == "margin"), None)
+    return {
+        "model": run.options.model, "dataset": run.config.name, "prefill": run.options.prefill, "needle": needle,
+        "batch_sizes": list(run.options.batch_sizes), "max_new_tokens": run.max_new_tokens,
+        "threshold": margin.tau if margin else None, "threshold_unit": margin.unit if margin else None,
+        **analysis.summarize_verify(tables["sequences"].to_pandas(), seconds,
+                                    [s for r in group_records for s in r["shortfalls"]], required),
+        "oom_splits": [split for record in group_records for split in record["oom_splits"]],
+    }
+
+
+def open_writer(run: PreparedRun, specs: list[PolicySpec], needle: bool, out) -> RunWriter:
+    return RunWriter(out, run.shard, fingerprint("verify", run, {"policies": [s.label for s in specs],
+                                                                  "needle": needle}), run.resume)
+
+
+def record_verify(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, required: float | None,
+                  writer: RunWriter, on_progress: ProgressFn, on_split: SplitFn) -> tuple[dict, bool]:
+    """Decode, analyse and publish one verify run (or shard); (summary, whole run complete?)."""
+    done = writer.done_groups()
+    owned = set(owned_groups(math.ceil(len(run.requests) / max(run.options.batch_sizes)), run.shard))
+    for index, records in verify_groups(lm, run, specs, needle, lambda g: g in owned and g not in done,
+                                        on_progress, on_split):
+        writer.commit(index, {"steps": steps_table(records), "sequences": sequences_table(records)},
+                      group_record(records))
+    manifest = results.manifest("verify", {**asdict(run.options), "policies": [s.label for s in specs],
+                                           "needle": needle, "require_determinism": required,
+                                           "shard": str(run.shard)}, lm.device,
+                                {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source})
+    return finish_run(writer, SCHEMAS, lambda tables, records: summarize(run, specs, needle, required, tables, records),
+                      manifest)
