@@ -312,9 +312,12 @@ def _run_calibrate(runs, record_options, options, transfer_items, require_flips,
                 loaded["lm"] = load_with_status(opts)
             record_with_progress(loaded["lm"], run, folder, writer)
 
+    def is_run(item: str) -> bool:  # a run directory or steps.parquet; anything else names a dataset
+        return Path(item).is_dir() or Path(item).suffix == ".parquet"
+
     def traces(item: str):
         path = Path(item)
-        if path.exists():
+        if is_run(item):
             return results.read_steps(path), str(path)
         steps, folder, reused = calibrate_run.traces_for(replace(record_options, dataset=item), record)
         err_console.print(f"{item}: {'reused cached' if reused else 'recorded'} traces in {folder}", highlight=False)
@@ -330,7 +333,7 @@ def _run_calibrate(runs, record_options, options, transfer_items, require_flips,
     transfer = {}
     for item in transfer_items:
         table, source = traces(item)
-        transfer[Path(item).name if Path(item).exists() else item] = table
+        transfer[Path(item).name if is_run(item) else item] = table
         sources.append(source)
 
     document, curves = calibrate_run.calibrate(steps, transfer, options, sources)

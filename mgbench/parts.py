@@ -48,6 +48,11 @@ def _write_parquet(table: pa.Table, path: Path) -> None:
     os.replace(temporary, path)
 
 
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     keys = sorted(set(old) | set(new))
     lines = []
@@ -56,8 +61,7 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
         if isinstance(a, dict) and isinstance(b, dict):
             lines += _differences(a, b, f"{prefix}{key}.")
         elif a != b:
-            shorten = lambda value: (text := repr(value)) if len(text) <= 40 else text[:37] + "..."
-            lines.append(f"{prefix}{key} {shorten(a)} -> {shorten(b)}")
+            lines.append(f"{prefix}{key} {_short(a)} -> {_short(b)}")
     return lines
 
 
@@ -70,7 +74,14 @@ class RunWriter:
         self.fingerprint = json.loads(json.dumps({**fingerprint, "shards": shard.count}, default=results.json_default))
         self.staging = staging_path(out, shard)
         self._check_target(resume)
-        self._open(resume)
+        existed = self.staging.exists()
+        try:
+            self._open(resume)
+        except BaseException:
+            self._unlock()
+            if not existed:
+                shutil.rmtree(self.staging, ignore_errors=True)
+            raise
 
     # -- opening ---------------------------------------------------------------------------------
 

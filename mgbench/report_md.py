@@ -37,6 +37,10 @@ def _table(headers: list[str], rows: list[list]) -> list[str]:
 
 
 def run_kind(run: Path) -> str:
+    from .results import looks_sharded, check_shards_complete
+
+    if run.is_dir() and looks_sharded(run):
+        check_shards_complete(run)
     if not run.is_dir() or not (run / "manifest.json").is_file():
         raise UserError(f"{run} is not an mgbench run directory (no manifest.json)")
     return _read_json(run / "manifest.json").get("command", "unknown")
@@ -110,7 +114,10 @@ def render(runs: list[Path], out: Path) -> Path:
     unknown = [str(r) for r, k in zip(runs, kinds) if k not in SECTIONS]
     if unknown:
         raise UserError(f"cannot report on {', '.join(unknown)}: unknown command in manifest.json")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot create it ({exc.strerror}); choose a writable directory") from exc
     lines = ["# mgbench report", ""]
     for index, (run, kind) in enumerate(zip(runs, kinds)):
         manifest = _read_json(run / "manifest.json")
@@ -125,5 +132,7 @@ def render(runs: list[Path], out: Path) -> Path:
                   f"Command: `{' '.join(manifest.get('argv', []))}`", ""]
         lines += SECTIONS[kind](run, out, f"{index}-")
     path = out / "report.md"
-    path.write_text("\n".join(lines))
+    temporary = out / ".report.md.tmp"  # report.md appears whole, after its plots
+    temporary.write_text("\n".join(lines))
+    temporary.replace(path)
     return path

@@ -138,6 +138,13 @@ def missing_shards(run: Path) -> list[str]:
     return [str(Shard(i, count)) for i in range(count) if not shard_marker(run, Shard(i, count)).exists()]
 
 
+def check_shards_complete(run: Path) -> None:
+    missing = missing_shards(run)
+    if missing:
+        raise UserError(f"{run} is incomplete: unfinished shards: {', '.join(missing)}; run each with --shard I/N "
+                        "and the same --out (add --resume after a crash)")
+
+
 def is_complete_run(run: Path) -> bool:
     return (run / "manifest.json").is_file()
 
@@ -152,12 +159,9 @@ def read_run_table(run: Path, name: str, expected: pa.Schema) -> pa.Table:
     single = run / f"{name}.parquet"
     if single.is_file():
         return read_table(single, expected)
-    if not (run / name).is_dir():
+    if not ((run / name).is_dir() or looks_sharded(run)):
         raise UserError(f"{run} is not a run directory (no {name}.parquet)")
-    missing = missing_shards(run)
-    if missing:
-        raise UserError(f"{run} is incomplete: shard {', '.join(missing)} has not finished; run it with "
-                        "--shard I/N (add --resume after a crash)")
+    check_shards_complete(run)
     from .sharding import Shard
 
     count = shard_documents(run)[0]["fingerprint"]["shards"]
@@ -216,7 +220,7 @@ def manifest(command: str, options: dict, device: str, extra: dict | None = None
     }
 
 
-def _looks_sharded(out: Path) -> bool:
+def looks_sharded(out: Path) -> bool:
     return (out / "shards").is_dir() or any(out.glob(".shard-*.partial"))
 
 
@@ -226,7 +230,7 @@ def prepare_out_dir(out: Path, sharded: bool = False) -> None:
     A sharded run directory may already hold other shards' files."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; choose a directory")
-    if out.exists() and any(out.iterdir()) and not (sharded and _looks_sharded(out)):
+    if out.exists() and any(out.iterdir()) and not (sharded and looks_sharded(out)):
         raise UserError(f"--out {out} already exists and is not empty; choose another directory or remove it")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,242 @@
+"""Runs that survive: kill -9 and --resume, shards (and torchrun ranks) merged into one run,
+out-of-memory retries, and byte-identical tables from identical runs. Tiny random-init model."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from helpers import AVX2
+from mgbench import oom, results, verify_run
+from mgbench.cli import Placement, app
+from mgbench.errors import UserError
+from mgbench.models import placement_kwargs
+from mgbench.sharding import Shard, resolve_shard
+
+runner = CliRunner()
+TABLES = ("steps", "sequences")
+
+
+def flips_args(model, out, *extra):
+    # 6 requests at batch size 2: three groups, so a run can stop between them.
+    return ["flips", "--model", str(model), "--dataset", "gsm8k", "--limit", "6", "--batch-size", "2",
+            "--max-new-tokens", "16", "--out", str(out), *extra]
+
+
+def verify_args(model, out, *extra):
+    return ["verify", "--model", str(model), "--dataset", "gsm8k", "--limit", "4", "--batch-sizes", "1,2",
+            "--max-new-tokens", "8", "--policy", "none,margin", "--threshold", "0.5", "--out", str(out), *extra]
+
+
+def invoke(args):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def parquet_bytes(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*.parquet"))}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tmp_path_factory):
+    """One uninterrupted, unsharded flips run: what every other way of running must reproduce."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    invoke(flips_args(tiny_model_dir, out))
+    return out
+
+
+def test_identical_runs_write_identical_parquet(reference, tiny_model_dir, tmp_path):
+    invoke(flips_args(tiny_model_dir, tmp_path / "again"))
+    assert parquet_bytes(tmp_path / "again") == parquet_bytes(reference)
+    invoke(verify_args(tiny_model_dir, tmp_path / "v1"))
+    invoke(verify_args(tiny_model_dir, tmp_path / "v2"))
+    assert parquet_bytes(tmp_path / "v1") == parquet_bytes(tmp_path / "v2") != {}
+    # Manifests differ only where they must (the time of the run).
+    m1, m2 = (json.loads((tmp_path / v / "manifest.json").read_text()) for v in ("v1", "v2"))
+    assert {k for k in m1 if m1[k] != m2[k]} <= {"created_utc", "argv"}
+
+
+CRASHING_MAIN = """
+import os, signal, sys
+from mgbench import parts
+write_json = parts._write_json
+
+def crash_while_committing_group_1(document, path):
+    # The group's table parts are on disk, its record is not: a crash in mid-commit.
+    if path.name == "group-00001.json":
+        os.kill(os.getpid(), signal.SIGKILL)
+    write_json(document, path)
+
+parts._write_json = crash_while_committing_group_1
+from mgbench.cli import app
+app(sys.argv[1:], prog_name="mgbench")
+"""
+
+
+def test_kill_9_then_resume_equals_an_uninterrupted_run(reference, tiny_model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    killed = subprocess.run([sys.executable, "-c", CRASHING_MAIN, *flips_args(tiny_model_dir, out)],
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not out.exists()  # nothing published
+    staging = tmp_path / ".run.partial"
+    assert sorted(p.name for p in (staging / "parts").glob("group-*.json")) == ["group-00000.json"]
+
+    rerun = runner.invoke(app, flips_args(tiny_model_dir, out))  # without --resume: refused, kept
+    assert rerun.exit_code == 2 and "add --resume" in rerun.stderr and staging.exists()
+    other = runner.invoke(app, flips_args(tiny_model_dir, out, "--max-new-tokens", "9", "--resume"))
+    assert other.exit_code == 2 and "other options" in other.stderr and "max_new_tokens 16 -> 9" in other.stderr
+
+    from mgbench import audit
+
+    solo_runs = []
+    run_solo = audit.run_solo
+    monkeypatch.setattr(audit, "run_solo", lambda *a, **k: solo_runs.append(1) or run_solo(*a, **k))
+    invoke(flips_args(tiny_model_dir, out, "--resume"))
+    assert len(solo_runs) == 4  # groups 1 and 2 only: group 0 came from its part files
+    assert parquet_bytes(out) == parquet_bytes(reference)
+    assert not staging.exists()
+    again = runner.invoke(app, flips_args(tiny_model_dir, out, "--resume"))
+    assert again.exit_code == 2 and "already complete" in again.stderr
+
+
+def test_two_torchrun_ranks_merge_into_the_one_process_run(reference, tiny_model_dir, tmp_path):
+    out = tmp_path / "sharded"
+    ranks = [subprocess.Popen([sys.executable, "-m", "mgbench", *flips_args(tiny_model_dir, out)],
+                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outputs = [rank.communicate(timeout=600) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], [e[-2000:] for _, e in outputs]
+    assert any("all shards are in" in stdout for stdout, _ in outputs)
+    assert sorted(p.name for p in (out / "steps").iterdir()) == ["part-0-of-2.parquet", "part-1-of-2.parquet"]
+    for name in TABLES:
+        expected = pq.read_table(reference / f"{name}.parquet")
+        assert results.read_run_table(out, name, expected.schema).equals(expected)
+        # The parts are one pyarrow dataset, readable by pandas and DuckDB without glue.
+        assert ds.dataset(out / name).count_rows() == expected.num_rows
+        assert len(pd.read_parquet(out / name)) == expected.num_rows
+    one, merged = (json.loads((run / "summary.json").read_text()) for run in (reference, out))
+    timing = {"solo_tokens_per_s", "batched_tokens_per_s", "batched_tokens_per_s_by_batch_size"}
+    assert {k: v for k, v in one.items() if k not in timing} == {k: v for k, v in merged.items() if k not in timing}
+
+    # Commands that read runs take the sharded directory as it is.
+    calibrated = runner.invoke(app, ["calibrate", str(out), "--out", str(tmp_path / "cal")])
+    assert calibrated.exit_code == 0, calibrated.output
+    document = json.loads((tmp_path / "cal" / "calibration.json").read_text())
+    assert document["steps"] == one["steps"] and document["flips"] == one["flips"]
+    assert runner.invoke(app, ["report", str(out), "--out", str(tmp_path / "report")]).exit_code == 0
+
+
+def test_incomplete_sharded_run_is_refused_by_readers(tiny_model_dir, tmp_path):
+    out = tmp_path / "half"
+    invoke(flips_args(tiny_model_dir, out, "--shard", "2/3"))
+    assert not (out / "manifest.json").exists()
+    for args in (["calibrate", str(out), "--out", str(tmp_path / "c")], ["report", str(out), "--out", str(tmp_path / "r")]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and "unfinished shards: 0/3, 1/3" in result.stderr, result.output
+    again = runner.invoke(app, flips_args(tiny_model_dir, out, "--shard", "2/3"))
+    assert again.exit_code == 2 and "already complete" in again.stderr
+    mismatched = runner.invoke(app, flips_args(tiny_model_dir, out, "--shard", "0/3", "--seed", "5"))
+    assert mismatched.exit_code == 2 and "shards of a different run" in mismatched.stderr
+
+
+def test_verify_shards_merge_into_the_one_process_run(tiny_model_dir, tmp_path):
+    invoke(verify_args(tiny_model_dir, tmp_path / "one"))
+    for shard in ("1/2", "0/2"):
+        invoke(verify_args(tiny_model_dir, tmp_path / "sharded", "--shard", shard))
+    for name, schema in verify_run.SCHEMAS.items():
+        expected = pq.read_table(tmp_path / "one" / f"{name}.parquet")
+        assert results.read_run_table(tmp_path / "sharded", name, schema).equals(expected)
+    one, merged = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("one", "sharded"))
+    assert one["policies"] == merged["policies"] and one["passed"] == merged["passed"]
+
+
+def out_of_memory_above(limit, run):
+    """Wrap `run(model, prompts, ...)` to fail like the CUDA allocator on batches above `limit`."""
+    def wrapped(model, prompts, *args, **kwargs):
+        if len(prompts) > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return run(model, prompts, *args, **kwargs)
+    return wrapped
+
+
+def test_out_of_memory_retries_smaller_batches_and_says_so(reference, tiny_model_dir, tmp_path, monkeypatch):
+    from mgbench import audit
+
+    monkeypatch.setattr(audit, "run_teacher_forced", out_of_memory_above(1, audit.run_teacher_forced))
+    result = invoke(flips_args(tiny_model_dir, tmp_path / "run"))
+    assert "out of memory at batch size 2: retrying it as batches of 1" in result.stderr
+    sequences = pd.read_parquet(tmp_path / "run" / "sequences.parquet")
+    assert set(sequences["batch_size"]) == {1} and len(sequences) == 6
+    assert not sequences.duplicated(["batch_id", "row"]).any()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["oom_splits"] == [{"batch_size": 2, "retried_as": 1}] * 3
+    # Batch size 1 is solo decoding: the retried run has no flips, unlike the reference's batches
+    # (whose flips come from SDPA over padding, measured on AVX2).
+    assert summary["flips"] == 0
+    if AVX2:
+        assert json.loads((reference / "summary.json").read_text())["flips"] > 0
+
+
+def test_out_of_memory_at_batch_size_1_is_a_clear_error(tiny_model_dir, tmp_path, monkeypatch):
+    from mgbench import audit
+
+    monkeypatch.setattr(audit, "run_teacher_forced", out_of_memory_above(0, audit.run_teacher_forced))
+    result = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "run"))
+    assert result.exit_code == 2 and "out of memory at batch size 1" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_verify_and_compare_retry_after_out_of_memory(tiny_model_dir, tmp_path, monkeypatch):
+    from mgbench import compare_run
+
+    monkeypatch.setattr(verify_run, "run_free", out_of_memory_above(1, verify_run.run_free))
+    result = invoke(verify_args(tiny_model_dir, tmp_path / "v"))
+    assert "out of memory at batch size 2" in result.stderr
+    assert set(pd.read_parquet(tmp_path / "v" / "sequences.parquet")["batch_size"]) == {1}
+    monkeypatch.setattr(compare_run, "run_free", out_of_memory_above(1, compare_run.run_free))
+    result = invoke(["compare", "--model", str(tiny_model_dir), "--limit", "2", "--batch-size", "2",
+                     "--max-new-tokens", "4", "--threshold", "0.5", "--repeats", "1", "--out", str(tmp_path / "c")])
+    assert "out of memory at batch size 2" in result.stderr
+    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
+    assert summary["batch_size"] == 1 and summary["requested_batch_size"] == 2
+
+
+def test_out_of_memory_is_recognised_only_for_memory_errors():
+    assert oom.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert oom.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+    assert not oom.is_out_of_memory(RuntimeError("shape mismatch"))
+    with pytest.raises(ValueError):
+        oom.run_splitting_on_oom([1, 2], lambda m: (_ for _ in ()).throw(ValueError("bug")), lambda b, h: None)
+
+
+def test_shards_split_whole_groups_round_robin():
+    shards = [Shard(i, 3) for i in range(3)]
+    assert [[g for g in range(7) if s.owns(g)] for s in shards] == [[0, 3, 6], [1, 4], [2, 5]]
+    assert Shard.parse(" 1 / 4 ") == Shard(1, 4)
+    with pytest.raises(UserError):
+        Shard.parse("1-4")
+
+
+def test_torchrun_environment_sets_the_shard_except_under_tensor_parallelism(monkeypatch):
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+    assert resolve_shard(None, environ=env) == Shard(3, 4)
+    assert resolve_shard("0/2", environ=env) == Shard(0, 2)  # --shard wins
+    assert resolve_shard(None, tensor_parallel=True, environ=env) == Shard()
+    assert resolve_shard(None, environ={}) == Shard()
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    # Tensor parallel: every rank computes, rank 0 alone writes.
+    assert Placement.resolve(None, False, "auto", Path("o")).writes is False
+    assert Placement.resolve(None, False, None, Path("o")).shard == Shard(3, 4)
+    assert placement_kwargs("cuda:1", "auto") == {"tp_plan": "auto"}
+    assert placement_kwargs("cpu", None) == {"device_map": "cpu"}
