@@ -150,7 +150,13 @@ def resolve_source(name: str) -> str:
 def placement_kwargs(device: str, tp_plan: str | None) -> dict:
     """from_pretrained placement: one device, or transformers' tensor parallelism across the
     torchrun processes (each holds a slice of every layer; all decode the same batch)."""
-    return {"tp_plan": tp_plan} if tp_plan else {"device_map": device}
+    if not tp_plan:
+        return {"device_map": device}
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:  # transformers releases before DistributedConfig take tp_plan directly
+        return {"tp_plan": tp_plan}
+    return {"distributed_config": DistributedConfig(tp_plan=tp_plan)}
 
 
 def load_model(name: str, dtype: str = "bf16", device: str = "auto", attn: str = "sdpa",

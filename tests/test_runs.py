@@ -238,5 +238,20 @@ def test_torchrun_environment_sets_the_shard_except_under_tensor_parallelism(mon
     # Tensor parallel: every rank computes, rank 0 alone writes.
     assert Placement.resolve(None, False, "auto", Path("o")).writes is False
     assert Placement.resolve(None, False, None, Path("o")).shard == Shard(3, 4)
-    assert placement_kwargs("cuda:1", "auto") == {"tp_plan": "auto"}
+    tensor_parallel = placement_kwargs("cuda:1", "auto")
+    assert "device_map" not in tensor_parallel
+    assert getattr(tensor_parallel.get("distributed_config"), "tp_plan", tensor_parallel.get("tp_plan")) == "auto"
     assert placement_kwargs("cpu", None) == {"device_map": "cpu"}
+
+
+def test_tensor_parallel_under_torchrun_writes_one_run(tiny_model_dir, tmp_path):
+    """The documented command, on CPU (gloo): both ranks hold half of each layer, rank 0 publishes."""
+    out = tmp_path / "tp"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mgbench",
+                           *flips_args(tiny_model_dir, out, "--limit", "2", "--tp-plan", "auto", "--device", "cpu")],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tp"]  # rank 1 wrote nothing
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["options"]["tp_plan"] == "auto" and manifest["options"]["shard"] == "0/1"
+    assert len(pd.read_parquet(out / "sequences.parquet")) == 2
