@@ -40,8 +40,8 @@ def user_errors(debug: bool):
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
-        err_console.print("[bold red]interrupted:[/] nothing was published; finished groups are kept: "
-                          "rerun with the same --out and --resume to continue")
+        err_console.print("[bold red]interrupted:[/] nothing was published (flips and verify keep their finished "
+                          "groups: the same command with --resume continues)")
         raise typer.Exit(130) from None
 
 
@@ -545,6 +545,8 @@ def compare(
         if repeats < 1:
             raise UserError(f"--repeats must be at least 1 (got {repeats})")
         placement = Placement.resolve(None, False, tp_plan, out)
+        if placement.shard.sharded:
+            raise UserError("compare times one process: run it without torchrun, or under torchrun with --tp-plan auto")
         _run_compare(options, placement, tau, unit, repeats, out or default_out("compare", model, dataset))
 
 

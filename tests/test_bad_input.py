@@ -170,3 +170,9 @@ def test_corrupt_and_foreign_parquet(tmp_path, command):
 def test_debug_shows_the_traceback(tmp_path):
     result = runner.invoke(app, ["flips", "--model", "no-such-model", "--debug", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "Traceback" in result.stderr and "unknown model" in result.stderr
+
+
+def test_compare_under_torchrun_without_tensor_parallelism(tmp_path, monkeypatch):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    assert_bad(tmp_path, ["compare", *FAST["compare"], "--out", str(tmp_path / "o")], "compare times one process")
