@@ -21,7 +21,8 @@ from .engine.runners import run_free, run_solo, run_teacher_forced
 from .oom import SplitFn, run_splitting_on_oom
 from .sharding import groups_of
 
-# on_progress(phase, advance): phase is "solo" or "batched"; advance counts requests.
+# on_progress(phase, n): "total" first (requests this process will decode), then "solo" and
+# "batched" as requests finish each pass.
 ProgressFn = Callable[[str, int], None]
 
 
@@ -111,6 +112,7 @@ def audit_groups(
     pad_id = pad_token_id(tokenizer, eos_ids)
     groups = plan_groups(prompts, options)
     group_size = max(options.batch_sizes)
+    on_progress("total", sum(len(group) for index, group in enumerate(groups) if wanted(index)))
 
     def run_batch(members):
         batch_prompts = [tensors[i] for i in members]

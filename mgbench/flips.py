@@ -94,12 +94,11 @@ def record_flips(lm, run: PreparedRun, out: Path, on_progress: ProgressFn, on_sp
     options, config = run.options, run.config
     writer = writer or open_writer(run, out)
     prompts = [data.encode(lm.tokenizer, config, request.text) for request in run.requests]
-    groups = plan_groups(prompts, options)
-    pending = [g for g in owned_groups(len(groups), run.shard) if g not in writer.done_groups()]
-    on_progress("total", sum(len(groups[g]) for g in pending))
+    done = writer.done_groups()
+    owned = set(owned_groups(len(plan_groups(prompts, options)), run.shard))
     for index, records in audit_groups(
         lm.model, lm.tokenizer, run.requests, prompts, options, run.max_new_tokens, config.name, lm.device,
-        wanted=set(pending).__contains__, on_progress=on_progress, on_split=on_split,
+        wanted=lambda g: g in owned and g not in done, on_progress=on_progress, on_split=on_split,
     ):
         writer.commit(index, {"steps": results.steps_table(records.steps, options.model, config.name),
                               "sequences": results.sequences_table(records.sequences, options.model)},

@@ -92,63 +92,74 @@ def verify_groups(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, w
 
             for spec in specs:
                 for batch_size in options.batch_sizes:
-                    for members, rows, batch_prompts, references in _batches(
-                        group, batch_size, tensors, solos, needle, filler_tensors, run, options.seed
-                    ):
-                        def run_batch(chosen, rows=rows, batch_prompts=batch_prompts, references=references,
-                                      members=members):
-                            if len(chosen) != len(members):  # an out-of-memory half of a plain batch
-                                picked = [members.index(i) for i in chosen]
-                                return _run_batch(model, run, spec, pad_id, eos_ids, [batch_prompts[k] for k in picked],
-                                                  {key: [v[k] for k in picked] for key, v in references.items()})
-                            return _run_batch(model, run, spec, pad_id, eos_ids, batch_prompts, references)
+                    for batch in _batches(group, batch_size, tensors, solos, needle, filler_tensors, run,
+                                          options.seed):
+                        def run_batch(chosen, batch=batch):
+                            part = batch.part(chosen)
+                            return part, _run_batch(model, run, spec, pad_id, eos_ids, part)
 
-                        outcome = run_splitting_on_oom(members, run_batch, split, len(batch_prompts))
-                        for chosen, (free, policy) in outcome:
-                            chosen_rows = rows if len(outcome) == 1 else list(range(len(chosen)))
-                            ran = len(batch_prompts) if len(outcome) == 1 else len(chosen)
+                        for _, (part, (free, policy)) in run_splitting_on_oom(batch.members, run_batch, split,
+                                                                              len(batch.prompts)):
+                            ran = len(part.prompts)
                             key = (spec.label, ran)
                             records.seconds[key] = records.seconds.get(key, 0.0) + free.decode_seconds
                             for shortfall in getattr(getattr(policy, "verifier", None), "shortfalls", []):
-                                if shortfall["row"] in chosen_rows:
-                                    request = run.requests[chosen[chosen_rows.index(shortfall["row"])]]
+                                if shortfall["row"] in part.rows:
+                                    request = run.requests[part.members[part.rows.index(shortfall["row"])]]
                                     records.shortfalls.append({"policy": spec.label, "batch_size": ran,
                                                                "request_id": request.request_id, **shortfall})
-                            for i, row in zip(chosen, chosen_rows):
+                            for i, row in zip(part.members, part.rows):
                                 _append(records, run, spec, batch_id, row, ran, free, prompts[i],
                                         run.requests[i].request_id, solos[i].tokens.tolist())
                             batch_id += 1
-                        on_progress("batched", len(members))
+                        on_progress("batched", len(batch.members))
             yield index, records
 
 
-def _run_batch(model, run, spec, pad_id, eos_ids, batch_prompts, references):
-    prefills = row_prefills(model, batch_prompts, references["prefills"])
-    policy = spec.build(model, batch_prompts, prefills, references["logits"], run.max_new_tokens)
-    free = run_free(model, batch_prompts, prefills, run.options.prefill, pad_id, run.max_new_tokens, eos_ids, policy)
+@dataclass
+class Batch:
+    """One batch to verify: the verified requests, their rows, and every row's prompt and solo
+    references (None for needle fillers, which are decoded but not checked)."""
+
+    members: list[int]
+    rows: list[int]
+    prompts: list
+    prefills: list
+    logits: list
+
+    def part(self, chosen: list[int]) -> "Batch":
+        """The batch of only `chosen` members, for an out-of-memory retry (plain batches only:
+        there every row is a member)."""
+        if len(chosen) == len(self.members):
+            return self
+        picked = [self.members.index(i) for i in chosen]
+        return Batch(list(chosen), list(range(len(chosen))), *([values[k] for k in picked]
+                     for values in (self.prompts, self.prefills, self.logits)))
+
+
+def _run_batch(model, run, spec, pad_id, eos_ids, batch: Batch):
+    prefills = row_prefills(model, batch.prompts, batch.prefills)
+    policy = spec.build(model, batch.prompts, prefills, batch.logits, run.max_new_tokens)
+    free = run_free(model, batch.prompts, prefills, run.options.prefill, pad_id, run.max_new_tokens, eos_ids, policy)
     return free, policy
 
 
 def _batches(group, batch_size, tensors, solos, needle, fillers, run, seed):
-    """(members, their rows, batch prompts, references) for each batch of a group.
-
-    References are the solo prefills and logits of each row, None for needle fillers."""
+    """The batches of one group at one batch size: consecutive requests, or (needle mode) each
+    request at a seeded row among fillers."""
     if not needle:
         for start in range(0, len(group), batch_size):
             members = group[start : start + batch_size]
-            yield members, list(range(len(members))), [tensors[i] for i in members], {
-                "prefills": [solos[i].row_prefill for i in members],
-                "logits": [solos[i].logits for i in members],
-            }
+            yield Batch(members, list(range(len(members))), [tensors[i] for i in members],
+                        [solos[i].row_prefill for i in members], [solos[i].logits for i in members])
         return
     for i in group:
         row, picks = needle_layout(run.requests[i].request_id, batch_size, len(fillers), seed)
-        batch_prompts = [fillers[p] for p in picks]
-        batch_prompts.insert(row, tensors[i])
-        prefills = [None] * batch_size
-        logits = [None] * batch_size
+        prompts = [fillers[p] for p in picks]
+        prompts.insert(row, tensors[i])
+        prefills, logits = [None] * batch_size, [None] * batch_size
         prefills[row], logits[row] = solos[i].row_prefill, solos[i].logits
-        yield [i], [row], batch_prompts, {"prefills": prefills, "logits": logits}
+        yield Batch([i], [row], prompts, prefills, logits)
 
 
 def _append(records, run, spec, batch_id, row, batch_size, free, prompt, request_id, solo_ids):
