@@ -226,7 +226,7 @@ def _run_flips(options: RunOptions, placement: Placement, out: Path) -> None:
 
     run = prepare(options, placement.shard, placement.resume)
     with output_dir(placement, out) as target, open_writer(run, target) as writer:
-        lm = load_with_status(options)
+        lm = None if writer.finishing_only else load_with_status(options)
         summary, complete = record_with_progress(lm, run, target, writer)
     if not placement.writes:
         return
@@ -470,7 +470,7 @@ def _run_verify(options, placement, specs, needle, required, junit, json_out, ou
 
     run = prepare(options, placement.shard, placement.resume)
     with output_dir(placement, out) as target, verify_run.open_writer(run, specs, needle, target) as writer:
-        lm = load_with_status(options)
+        lm = None if writer.finishing_only else load_with_status(options)
         with progress_bar() as progress:
             tasks = {"solo": progress.add_task("solo (batch size 1)", total=len(run.requests)),
                      "batched": progress.add_task(f"batched x {len(specs)} policies", total=None)}

@@ -93,6 +93,9 @@ def record_flips(lm, run: PreparedRun, out: Path, on_progress: ProgressFn, on_sp
     Groups already committed by an interrupted run are not decoded again."""
     options, config = run.options, run.config
     writer = writer or open_writer(run, out)
+    summarize_run = lambda tables, records: summarize(run, tables, records)  # noqa: E731
+    if writer.finishing_only:
+        return finish_run(writer, SCHEMAS, summarize_run, None)
     prompts = [data.encode(lm.tokenizer, config, request.text) for request in run.requests]
     done = writer.done_groups()
     owned = set(owned_groups(len(plan_groups(prompts, options)), run.shard))
@@ -107,4 +110,4 @@ def record_flips(lm, run: PreparedRun, out: Path, on_progress: ProgressFn, on_sp
         "flips", {**asdict(options), "max_new_tokens": run.max_new_tokens, "shard": str(run.shard)}, lm.device,
         {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source, "dataset_config": asdict(config)},
     )
-    return finish_run(writer, SCHEMAS, lambda tables, records: summarize(run, tables, records), run_manifest)
+    return finish_run(writer, SCHEMAS, summarize_run, run_manifest)

@@ -73,7 +73,12 @@ class RunWriter:
         # JSON round trip: tuples become lists, so a resumed fingerprint compares equal.
         self.fingerprint = json.loads(json.dumps({**fingerprint, "shards": shard.count}, default=results.json_default))
         self.staging = staging_path(out, shard)
+        # A shard that published but crashed before the run's summary was written: --resume
+        # only writes the summary (nothing to decode, no model needed).
+        self.finishing_only = False
         self._check_target(resume)
+        if self.finishing_only:
+            return
         existed = self.staging.exists()
         try:
             self._open(resume)
@@ -93,6 +98,9 @@ class RunWriter:
             return
         results.prepare_out_dir(self.out, sharded=True)
         marker = results.shard_marker(self.out, self.shard)
+        if marker.exists() and resume and not results.is_complete_run(self.out) and not results.missing_shards(self.out):
+            self.finishing_only = True
+            return
         if marker.exists():
             raise UserError(f"shard {self.shard} of {self.out} is already complete; choose another --out or shard")
         for document in results.shard_documents(self.out):
@@ -168,7 +176,7 @@ class RunWriter:
     # -- publication -----------------------------------------------------------------------------
 
     def publish(self, tables: dict[str, pa.Table], documents: dict[str, dict],
-                finish: Callable[[], tuple[dict, dict]] | None = None) -> bool:
+                finish: Callable[[], tuple[dict, dict]]) -> bool:
         """Publish this run or shard; True when the whole run is now complete.
 
         For a shard, `finish()` -> (summary, manifest) of the whole run is called by the shard
@@ -186,12 +194,15 @@ class RunWriter:
         marker.parent.mkdir(exist_ok=True)
         _write_json({"fingerprint": self.fingerprint, "shard": str(self.shard), **documents}, marker)
         self.discard()
-        if results.missing_shards(self.out) or finish is None:
-            return not results.missing_shards(self.out)
-        summary, manifest = finish()
-        _write_json(summary, self.out / "summary.json")
-        _write_json(manifest, self.out / "manifest.json")  # last: a run with a manifest is complete
+        if results.missing_shards(self.out):
+            return False
+        self.write_run_documents(*finish())
         return True
+
+    def write_run_documents(self, summary: dict, manifest: dict) -> None:
+        """The whole sharded run's summary, then its manifest: a run with a manifest is complete."""
+        _write_json(summary, self.out / "summary.json")
+        _write_json(manifest, self.out / "manifest.json")
 
     def discard(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
@@ -212,23 +223,28 @@ def owned_groups(group_count: int, shard: Shard) -> list[int]:
 
 
 def finish_run(writer: RunWriter, schemas: dict[str, pa.Schema],
-               summarize: Callable[[dict[str, pa.Table], list[dict]], dict], manifest: dict) -> tuple[dict, bool]:
+               summarize: Callable[[dict[str, pa.Table], list[dict]], dict], manifest: dict | None) -> tuple[dict, bool]:
     """Publish the committed groups; (summary of this process's groups, whole run complete?).
 
     `summarize(tables, group records)` computes a summary from tables alone (plus the timings
-    kept in the group records), so the merged summary of a sharded run is the same function."""
-    tables = {name: writer.table(name, schema) for name, schema in schemas.items()}
-    records = writer.records()
-    summary = summarize(tables, records)
-    documents = {"summary": summary, "manifest": manifest}
+    kept in the group records), so the merged summary of a sharded run is the same function.
+    `manifest` is None when the writer is only finishing a sharded run (see RunWriter)."""
 
     def finish() -> tuple[dict, dict]:
         shards = results.shard_documents(writer.out)
         merged = {name: results.read_run_table(writer.out, name, schema) for name, schema in schemas.items()}
         merged_records = [record for document in shards for record in document["groups"]]
-        return summarize(merged, merged_records), {**manifest, "shard": None,
+        return summarize(merged, merged_records), {**shards[0]["manifest"], "shard": None,
                                                    "shard_manifests": [d["manifest"] for d in shards]}
 
+    if writer.finishing_only:
+        summary, run_manifest = finish()
+        writer.write_run_documents(summary, run_manifest)
+        return summary, True
+    tables = {name: writer.table(name, schema) for name, schema in schemas.items()}
+    records = writer.records()
+    summary = summarize(tables, records)
+    documents = {"summary": summary, "manifest": manifest}
     if writer.shard.sharded:
         documents["groups"] = records
     return summary, writer.publish(tables, documents, finish)

@@ -235,6 +235,9 @@ def open_writer(run: PreparedRun, specs: list[PolicySpec], needle: bool, out) ->
 def record_verify(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, required: float | None,
                   writer: RunWriter, on_progress: ProgressFn, on_split: SplitFn) -> tuple[dict, bool]:
     """Decode, analyse and publish one verify run (or shard); (summary, whole run complete?)."""
+    summarize_run = lambda tables, records: summarize(run, specs, needle, required, tables, records)  # noqa: E731
+    if writer.finishing_only:
+        return finish_run(writer, SCHEMAS, summarize_run, None)
     done = writer.done_groups()
     owned = set(owned_groups(math.ceil(len(run.requests) / max(run.options.batch_sizes)), run.shard))
     for index, records in verify_groups(lm, run, specs, needle, lambda g: g in owned and g not in done,
@@ -245,5 +248,4 @@ def record_verify(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, r
                                            "needle": needle, "require_determinism": required,
                                            "shard": str(run.shard)}, lm.device,
                                 {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source})
-    return finish_run(writer, SCHEMAS, lambda tables, records: summarize(run, specs, needle, required, tables, records),
-                      manifest)
+    return finish_run(writer, SCHEMAS, summarize_run, manifest)

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from helpers import AVX2
 from mgbench import oom, results, verify_run
+from mgbench.results import missing_shards
 from mgbench.cli import Placement, app
 from mgbench.errors import UserError
 from mgbench.models import placement_kwargs
@@ -265,3 +266,27 @@ def test_needle_mode_places_each_request_among_fillers(tiny_model_dir, tmp_path)
     # One verified row per batch of 4 (the rest are fillers), at a seeded row; exact repair holds.
     assert len(sequences) == 3 and set(sequences["batch_size"]) == {4} and sequences["batch_id"].is_unique
     assert sequences["row"].between(0, 3).all() and sequences["identical"].all()
+
+
+def test_a_crash_before_the_sharded_summary_is_finished_by_resume(tiny_model_dir, tmp_path, monkeypatch):
+    from mgbench import audit, parts
+
+    out = tmp_path / "run"
+    invoke(flips_args(tiny_model_dir, out, "--limit", "4", "--shard", "0/2"))
+    write_json = parts._write_json
+
+    def interrupted_at_the_manifest(document, path):
+        if path.name == "manifest.json":
+            raise KeyboardInterrupt
+        write_json(document, path)
+
+    monkeypatch.setattr(parts, "_write_json", interrupted_at_the_manifest)
+    assert runner.invoke(app, flips_args(tiny_model_dir, out, "--limit", "4", "--shard", "1/2")).exit_code == 130
+    monkeypatch.setattr(parts, "_write_json", write_json)
+    assert not (out / "manifest.json").exists() and not missing_shards(out)
+    refused = runner.invoke(app, flips_args(tiny_model_dir, out, "--limit", "4", "--shard", "1/2"))
+    assert refused.exit_code == 2 and "already complete" in refused.stderr
+    monkeypatch.setattr(audit, "run_solo", lambda *a, **k: pytest.fail("finishing decodes nothing"))
+    invoke(flips_args(tiny_model_dir, out, "--limit", "4", "--shard", "1/2", "--resume"))
+    assert json.loads((out / "manifest.json").read_text())["shard"] is None
+    assert json.loads((out / "summary.json").read_text())["sequences"] == 4
