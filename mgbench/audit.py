@@ -18,7 +18,7 @@ import torch
 from .config import RunOptions
 from .data import Request
 from .engine.runners import run_free, run_solo, run_teacher_forced
-from .oom import SplitFn, run_splitting_on_oom
+from .oom import SplitFn, recording_splits, run_splitting_on_oom
 from .sharding import groups_of
 
 # on_progress(phase, n): "total" first (requests this process will decode), then "solo" and
@@ -90,10 +90,6 @@ def solo_groups(model, prompts: list[list[int]], groups: list[list[int]], wanted
         yield index, group, tensors, {i: run_solo(model, tensors[i], max_new_tokens, eos_ids) for i in group}
 
 
-def split_note(batch_size: int, half: int) -> dict:
-    return {"batch_size": batch_size, "retried_as": half}
-
-
 def audit_groups(
     model,
     tokenizer,
@@ -130,10 +126,7 @@ def audit_groups(
             records.solo_seconds += sum(s.decode_seconds for s in solos.values())
             on_progress("solo", len(group))
             batch_id = batch_id_base(index, group_size, len(options.batch_sizes))
-
-            def split(batch_size, half):
-                records.oom_splits.append(split_note(batch_size, half))
-                on_split(batch_size, half)
+            split = recording_splits(records.oom_splits, on_split)
 
             for batch_size in options.batch_sizes:
                 for start in range(0, len(group), batch_size):

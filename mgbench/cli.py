@@ -187,24 +187,29 @@ def warn_split(batch_size: int, half: int) -> None:
                       f"{half} (their rows record batch_size {half}; summary.json lists the split)", highlight=False)
 
 
+@contextmanager
+def pass_progress(solo_label: str, batched_label: str, requests: int, batches_per_request: int):
+    """Bars for the solo and the batched passes; yields the ProgressFn that drives them."""
+    with progress_bar() as progress:
+        solo = progress.add_task(solo_label, total=requests)
+        batched = progress.add_task(batched_label, total=requests * batches_per_request)
+
+        def advance(phase: str, n: int) -> None:
+            if phase == "total":  # what is left to decode (this shard, groups not yet committed)
+                progress.update(solo, total=n)
+                progress.update(batched, total=n * batches_per_request)
+            else:
+                progress.advance(solo if phase == "solo" else batched, n)
+
+        yield advance
+
+
 def record_with_progress(lm, run, out: Path, writer=None) -> tuple[dict, bool]:
     """One flips recording with progress bars for its solo and batched passes."""
     from .flips import record_flips
 
-    with progress_bar() as progress:
-        tasks = {
-            "solo": progress.add_task(f"{run.config.name}: solo (batch size 1)", total=len(run.requests)),
-            "batched": progress.add_task(f"{run.config.name}: batched (forced + free)",
-                                         total=len(run.requests) * len(run.options.batch_sizes)),
-        }
-
-        def advance(phase: str, n: int) -> None:
-            if phase == "total":  # what is left to decode (this shard, groups not yet committed)
-                progress.update(tasks["solo"], total=n)
-                progress.update(tasks["batched"], total=n * len(run.options.batch_sizes))
-            else:
-                progress.advance(tasks[phase], n)
-
+    with pass_progress(f"{run.config.name}: solo (batch size 1)", f"{run.config.name}: batched (forced + free)",
+                       len(run.requests), len(run.options.batch_sizes)) as advance:
         return record_flips(lm, run, out, advance, warn_split, writer)
 
 
@@ -230,9 +235,7 @@ def _run_flips(options: RunOptions, placement: Placement, out: Path) -> None:
         summary, complete = record_with_progress(lm, run, target, writer)
     if not placement.writes:
         return
-    # This process's own batches: the whole run, or this shard's part.
-    source = results.shard_part(out, "sequences", placement.shard) if placement.shard.sharded else out / "sequences.parquet"
-    sequences = results.read_table(source, results.SEQUENCES_SCHEMA).to_pandas()
+    sequences = results.read_own_table(out, "sequences", results.SEQUENCES_SCHEMA, placement.shard).to_pandas()
     report.render_flips(console, summary, analysis.batch_pad_lengths(sequences))
     shard_status(placement, out, complete)
     console.print(f"results: [bold]{out}[/]")
@@ -471,25 +474,14 @@ def _run_verify(options, placement, specs, needle, required, junit, json_out, ou
     run = prepare(options, placement.shard, placement.resume)
     with output_dir(placement, out) as target, verify_run.open_writer(run, specs, needle, target) as writer:
         lm = None if writer.finishing_only else load_with_status(options)
-        with progress_bar() as progress:
-            tasks = {"solo": progress.add_task("solo (batch size 1)", total=len(run.requests)),
-                     "batched": progress.add_task(f"batched x {len(specs)} policies", total=None)}
-            factor = len(options.batch_sizes) * len(specs)
-
-            def advance(phase: str, n: int) -> None:
-                if phase == "total":
-                    progress.update(tasks["solo"], total=n)
-                    progress.update(tasks["batched"], total=n * factor)
-                else:
-                    progress.advance(tasks[phase], n)
-
+        with pass_progress("solo (batch size 1)", f"batched x {len(specs)} policies", len(run.requests),
+                           len(options.batch_sizes) * len(specs)) as advance:
             summary, complete = verify_run.record_verify(lm, run, specs, needle, required, writer, advance, warn_split)
     if not placement.writes:
         return 0
     if junit is not None:
-        source = (results.shard_part(out, "sequences", placement.shard) if placement.shard.sharded
-                  else out / "sequences.parquet")
-        sequences = results.read_table(source, verify_run.VERIFY_SEQUENCES_SCHEMA).to_pandas()
+        sequences = results.read_own_table(out, "sequences", verify_run.VERIFY_SEQUENCES_SCHEMA, placement.shard)
+        sequences = sequences.to_pandas()
         write_junit(junit, junit_xml(sequences, 1.0 if required is None else required))
     if json_out:
         print(json.dumps(summary, indent=2))

@@ -8,11 +8,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pyarrow as pa
 
 from . import analysis, data, results
-from .audit import AuditRecords, ProgressFn, audit_groups, plan_groups
+from .audit import AuditRecords, ProgressFn, audit_groups
 from .config import RunOptions
 from .oom import SplitFn
 from .parts import RunWriter, finish_run, owned_groups
@@ -29,14 +30,21 @@ class PreparedRun:
     max_new_tokens: int
     shard: Shard = field(default_factory=Shard)
     resume: bool = False
+    owned: frozenset[int] = frozenset({0})  # group indices this shard decodes
+
+    def wanted(self, done: set[int]) -> Callable[[int], bool]:
+        """Groups still to decode here: this shard's, less those an interrupted run committed."""
+        return lambda group: group in self.owned and group not in done
 
 
 def prepare(options: RunOptions, shard: Shard = Shard(), resume: bool = False) -> PreparedRun:
     """Everything that can fail on bad input, checked before a model is loaded."""
     config = data.load_config(options.dataset)
     requests = data.select_requests(config, data.read_records(config), options.limit, options.seed)
-    owned_groups(math.ceil(len(requests) / max(options.batch_sizes)), shard)
-    return PreparedRun(options, config, requests, options.max_new_tokens or config.max_new_tokens, shard, resume)
+    # Groups are cut from the requests by the largest batch size, whatever their order.
+    owned = frozenset(owned_groups(math.ceil(len(requests) / max(options.batch_sizes)), shard))
+    return PreparedRun(options, config, requests, options.max_new_tokens or config.max_new_tokens, shard, resume,
+                       owned)
 
 
 def fingerprint(command: str, run: PreparedRun, extra: dict | None = None) -> dict:
@@ -97,11 +105,9 @@ def record_flips(lm, run: PreparedRun, out: Path, on_progress: ProgressFn, on_sp
     if writer.finishing_only:
         return finish_run(writer, SCHEMAS, summarize_run, None)
     prompts = [data.encode(lm.tokenizer, config, request.text) for request in run.requests]
-    done = writer.done_groups()
-    owned = set(owned_groups(len(plan_groups(prompts, options)), run.shard))
     for index, records in audit_groups(
         lm.model, lm.tokenizer, run.requests, prompts, options, run.max_new_tokens, config.name, lm.device,
-        wanted=lambda g: g in owned and g not in done, on_progress=on_progress, on_split=on_split,
+        wanted=run.wanted(writer.done_groups()), on_progress=on_progress, on_split=on_split,
     ):
         writer.commit(index, {"steps": results.steps_table(records.steps, options.model, config.name),
                               "sequences": results.sequences_table(records.sequences, options.model)},

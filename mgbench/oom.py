@@ -18,6 +18,14 @@ Result = TypeVar("Result")
 SplitFn = Callable[[int, int], None]
 
 
+def recording_splits(splits: list[dict], on_split: SplitFn) -> SplitFn:
+    """An on_split that also keeps each split, for the run's summary."""
+    def split(batch_size: int, half: int) -> None:
+        splits.append({"batch_size": batch_size, "retried_as": half})
+        on_split(batch_size, half)
+    return split
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     import torch
 

@@ -38,7 +38,7 @@ def staging_path(out: Path, shard: Shard) -> Path:
 
 def _write_json(document: dict, path: Path) -> None:
     temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(document, indent=2, sort_keys=True, default=results.json_default) + "\n")
+    temporary.write_text(results.json_text(document))
     os.replace(temporary, path)
 
 
@@ -71,7 +71,7 @@ class RunWriter:
     def __init__(self, out: Path, shard: Shard, fingerprint: dict, resume: bool):
         self.out, self.shard = out, shard
         # JSON round trip: tuples become lists, so a resumed fingerprint compares equal.
-        self.fingerprint = json.loads(json.dumps({**fingerprint, "shards": shard.count}, default=results.json_default))
+        self.fingerprint = json.loads(results.json_text({**fingerprint, "shards": shard.count}))
         self.staging = staging_path(out, shard)
         # A shard that published but crashed before the run's summary was written: --resume
         # only writes the summary (nothing to decode, no model needed).

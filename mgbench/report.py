@@ -122,15 +122,19 @@ def render_calibration(console: Console, document: dict) -> None:
         console.print(transfer)
 
 
+def _determinism(value) -> str:
+    """Green at 100%, red below: determinism is the figure a reader scans for."""
+    return f"[{'green' if value == 1 else 'red'}]{_pct(value)}[/]"
+
+
 def render_verify(console: Console, summary: dict) -> None:
     table = Table(title=f"mgbench verify: {summary['model']} on {summary['dataset']} "
                         f"({'needle' if summary['needle'] else 'batches'}, prefill {summary['prefill']})")
     for column in ("policy", "batch size", "sequences", "identical", "determinism", "trigger rate", "repairs", "decode s"):
         table.add_column(column, justify="right")
     for row in summary["by_batch_size"]:
-        ok = row["determinism"] == 1
         table.add_row(row["policy"], str(row["batch_size"]), str(row["sequences"]), str(row["identical"]),
-                      f"[{'green' if ok else 'red'}]{_pct(row['determinism'])}[/]", _pct(row["trigger_rate"]),
+                      _determinism(row["determinism"]), _pct(row["trigger_rate"]),
                       str(row["repairs"]), _fmt(row.get("decode_s"), 3))
     console.print(table)
     for policy in summary["policies"]:
@@ -157,10 +161,9 @@ def render_compare(console: Console, summary: dict) -> None:
     for column in ("config", "decode s", "spread", "tok/s", "increment", "determinism", "triggers", "repairs"):
         table.add_column(column, justify="right")
     for row in summary["configs"]:
-        ok = row["determinism"] == 1
         table.add_row(row["config"], _fmt(row["seconds"], 3), f"{_fmt(row['seconds_min'], 3)}-{_fmt(row['seconds_max'], 3)}",
-                      _fmt(row["tokens_per_s"], 3), _pct(row["increment"]),
-                      f"[{'green' if ok else 'red'}]{_pct(row['determinism'])}[/]", _pct(row["trigger_rate"]),
+                      _fmt(row["tokens_per_s"], 3), _pct(row["increment"]), _determinism(row["determinism"]),
+                      _pct(row["trigger_rate"]),
                       _fmt(row["repairs"]))
     console.print(table)
     for r in summary["reductions"]:

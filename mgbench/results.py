@@ -118,8 +118,12 @@ def shard_marker(run: Path, shard) -> Path:
 
 def shard_documents(run: Path) -> list[dict]:
     """The records of a sharded run's finished shards (summary, manifest, fingerprint of each)."""
+    return shard_documents_of(sorted((run / "shards").glob("*.json")))
+
+
+def shard_documents_of(paths: list[Path]) -> list[dict]:
     documents = []
-    for path in sorted((run / "shards").glob("*.json")):
+    for path in paths:
         try:
             documents.append(json.loads(path.read_text()))
         except (OSError, ValueError) as exc:
@@ -127,22 +131,34 @@ def shard_documents(run: Path) -> list[dict]:
     return documents
 
 
+def read_own_table(run: Path, name: str, expected: pa.Schema, shard) -> pa.Table:
+    """The table this process wrote: the run's, or only its shard's part of a sharded run."""
+    return read_table(shard_part(run, name, shard) if shard.sharded else run / f"{name}.parquet", expected)
+
+
+def shard_count(run: Path) -> int | None:
+    """N of a sharded run, from its first finished shard's record; None when none has finished."""
+    first = next(iter(sorted((run / "shards").glob("*.json"))), None)
+    return None if first is None else shard_documents_of([first])[0]["fingerprint"]["shards"]
+
+
 def missing_shards(run: Path) -> list[str]:
     """Shards (I/N) of a sharded run directory that have not finished; ['all'] when none has."""
     from .sharding import Shard
 
-    documents = shard_documents(run)
-    if not documents:
+    count = shard_count(run)
+    if count is None:
         return ["all"]
-    count = documents[0]["fingerprint"]["shards"]
     return [str(Shard(i, count)) for i in range(count) if not shard_marker(run, Shard(i, count)).exists()]
 
 
-def check_shards_complete(run: Path) -> None:
+def check_shards_complete(run: Path) -> int:
+    """The shard count of a sharded run, refused while any shard is unfinished."""
     missing = missing_shards(run)
     if missing:
         raise UserError(f"{run} is incomplete: unfinished shards: {', '.join(missing)}; run each with --shard I/N "
                         "and the same --out (add --resume after a crash)")
+    return shard_count(run)
 
 
 def is_complete_run(run: Path) -> bool:
@@ -161,10 +177,9 @@ def read_run_table(run: Path, name: str, expected: pa.Schema) -> pa.Table:
         return read_table(single, expected)
     if not ((run / name).is_dir() or looks_sharded(run)):
         raise UserError(f"{run} is not a run directory (no {name}.parquet)")
-    check_shards_complete(run)
+    count = check_shards_complete(run)
     from .sharding import Shard
 
-    count = shard_documents(run)[0]["fingerprint"]["shards"]
     tables = [read_table(shard_part(run, name, Shard(i, count)), expected) for i in range(count)]
     merged = pa.concat_tables(tables)
     keys = [(key, "ascending") for key in CANONICAL_ORDER if key in merged.schema.names]
@@ -252,7 +267,7 @@ def publish_run(out: Path, tables: dict[str, pa.Table], documents: dict[str, dic
         for name, table in tables.items():
             pq.write_table(table, staging / f"{name}.parquet")
         for name, document in documents.items():
-            (staging / f"{name}.json").write_text(json.dumps(document, indent=2, default=json_default) + "\n")
+            (staging / f"{name}.json").write_text(json_text(document))
         if write_extra is not None:
             write_extra(staging)
         if out.exists():
@@ -262,6 +277,11 @@ def publish_run(out: Path, tables: dict[str, pa.Table], documents: dict[str, dic
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def json_text(document: dict) -> str:
+    """A run document as written to disk (numpy scalars and paths as plain JSON)."""
+    return json.dumps(document, indent=2, default=json_default) + "\n"
 
 
 def json_default(value):

@@ -3,7 +3,6 @@ compared with its solo reference, over batch sizes and (needle mode) positions i
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
@@ -15,12 +14,12 @@ import torch
 
 from . import SCHEMA_VERSION, analysis, data, results
 from .audit import (ProgressFn, batch_id_base, eos_token_ids, first_divergence, pad_token_id, plan_groups,
-                    solo_groups, split_note)
+                    solo_groups)
 from .engine.policies import PolicySpec
 from .engine.runners import row_prefills, run_free
 from .flips import PreparedRun, fingerprint
-from .parts import RunWriter, finish_run, owned_groups
-from .oom import SplitFn, run_splitting_on_oom
+from .parts import RunWriter, finish_run
+from .oom import SplitFn, recording_splits, run_splitting_on_oom
 from .results import PLACEMENT_FIELDS, SCHEMA_KEY, TOKEN_IDS
 
 VERIFY_STEP_FIELDS = [
@@ -85,10 +84,7 @@ def verify_groups(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, w
             on_progress("solo", len(group))
             records = VerifyRecords()
             batch_id = batch_id_base(index, group_size, len(options.batch_sizes) * len(specs))
-
-            def split(batch_size, half):
-                records.oom_splits.append(split_note(batch_size, half))
-                on_split(batch_size, half)
+            split = recording_splits(records.oom_splits, on_split)
 
             for spec in specs:
                 for batch_size in options.batch_sizes:
@@ -238,10 +234,8 @@ def record_verify(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, r
     summarize_run = lambda tables, records: summarize(run, specs, needle, required, tables, records)  # noqa: E731
     if writer.finishing_only:
         return finish_run(writer, SCHEMAS, summarize_run, None)
-    done = writer.done_groups()
-    owned = set(owned_groups(math.ceil(len(run.requests) / max(run.options.batch_sizes)), run.shard))
-    for index, records in verify_groups(lm, run, specs, needle, lambda g: g in owned and g not in done,
-                                        on_progress, on_split):
+    for index, records in verify_groups(lm, run, specs, needle, run.wanted(writer.done_groups()), on_progress,
+                                        on_split):
         writer.commit(index, {"steps": steps_table(records), "sequences": sequences_table(records)},
                       group_record(records))
     manifest = results.manifest("verify", {**asdict(run.options), "policies": [s.label for s in specs],
