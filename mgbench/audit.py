@@ -17,6 +17,7 @@ import torch
 
 from .config import RunOptions
 from .data import Request
+from .engine.batch_invariant import InvariancePlan, decoding_mode
 from .engine.runners import run_free, run_solo, run_teacher_forced
 from .oom import SplitFn, recording_splits, run_splitting_on_oom
 from .sharding import groups_of
@@ -102,8 +103,11 @@ def audit_groups(
     wanted: Callable[[int], bool] = lambda index: True,
     on_progress: ProgressFn = lambda phase, n: None,
     on_split: SplitFn = lambda batch_size, half: None,
+    plan: InvariancePlan | None = None,
 ) -> Iterator[tuple[int, AuditRecords]]:
-    """Yield (group index, records of that group) for every wanted group, in decoding order."""
+    """Yield (group index, records of that group) for every wanted group, in decoding order.
+
+    With a `plan` (the batch-invariant mode) every batched pass runs under it."""
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
     groups = plan_groups(prompts, options)
@@ -113,9 +117,10 @@ def audit_groups(
     def run_batch(members):
         batch_prompts = [tensors[i] for i in members]
         batch_solos = [solos[i] for i in members]
-        forced = run_teacher_forced(model, batch_prompts, batch_solos, options.prefill, pad_id)
-        free = run_free(model, batch_prompts, [s.row_prefill for s in batch_solos], options.prefill, pad_id,
-                        max_new_tokens, eos_ids)
+        with decoding_mode(model, batch_prompts, plan):
+            forced = run_teacher_forced(model, batch_prompts, batch_solos, options.prefill, pad_id)
+            free = run_free(model, batch_prompts, [s.row_prefill for s in batch_solos], options.prefill, pad_id,
+                            max_new_tokens, eos_ids)
         return forced, free
 
     with torch.inference_mode():

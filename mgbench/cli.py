@@ -75,6 +75,7 @@ DebugOpt = typer.Option(False, "--debug", help="Show the traceback of an error."
 ShardOpt = typer.Option(None, "--shard", help="Decode shard I of N (I/N, from 0) into a shared --out; under torchrun RANK/WORLD_SIZE set it.")
 ResumeOpt = typer.Option(False, "--resume", help="Continue an interrupted run in --out from its last finished group of requests.")
 TpPlanOpt = typer.Option(None, "--tp-plan", help="`auto`: split the model over the torchrun processes (transformers tensor parallelism).")
+BatchInvariantOpt = typer.Option(False, "--batch-invariant", help="Decode batches with every op that varies on this machine made invariant (measured by `mgbench probe` first; per-row attention, exact forms of varying layers).")
 
 
 @app.command()
@@ -95,6 +96,7 @@ def flips(
     shard: Optional[str] = ShardOpt,
     resume: bool = ResumeOpt,
     tp_plan: Optional[str] = TpPlanOpt,
+    batch_invariant: bool = BatchInvariantOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Audit flips: decode each request alone and inside batches, compare token by token.
@@ -114,6 +116,8 @@ def flips(
 
         mgbench flips --limit 64 --out runs/m --resume                  # continue after a crash
 
+        mgbench flips --batch-invariant --limit 16 --max-new-tokens 32  # expect 0 flips
+
         torchrun --nproc-per-node 8 -m mgbench flips --model llama-3.1-8b --limit 512 --out runs/m8
     """
     with user_errors(debug):
@@ -121,7 +125,7 @@ def flips(
         options = RunOptions(
             model=model, dataset=dataset, limit=limit, seed=seed, batch_sizes=sizes,
             max_new_tokens=max_new_tokens, prefill=prefill, sort_by_length=sort_by_length,
-            dtype=dtype, device=rank_device(device), attn=attn, tp_plan=tp_plan,
+            dtype=dtype, device=rank_device(device), attn=attn, tp_plan=tp_plan, batch_invariant=batch_invariant,
         )
         placement = Placement.resolve(shard, resume, tp_plan, out)
         _run_flips(options, placement, out or default_out("flips", model, dataset))
@@ -204,13 +208,34 @@ def pass_progress(solo_label: str, batched_label: str, requests: int, batches_pe
         yield advance
 
 
+def probe_if_invariant(lm, run):
+    """The probe a --batch-invariant run plans with (None otherwise), said in one line."""
+    if lm is None or not run.options.batch_invariant:
+        return None
+    from .probe_run import probe_for_run
+
+    with err_console.status(f"probing which ops vary on this machine ({max(2, max(run.options.batch_sizes))} rows)"):
+        report = probe_for_run(lm, run)
+    changed = len(report.plan.forms)
+    line = (f"batch-invariant mode: per-row attention, {changed} varying modules in exact forms "
+            f"(probe: {report.machine['cpu']}, {report.machine['cpu_capability']})")
+    if report.exact:
+        err_console.print(f"[green]{line}; exact on the probe batch[/]", highlight=False)
+    else:
+        err_console.print(f"[bold yellow]{line}; NOT exact on the probe batch (rows "
+                          f"{report.invariant_rows_differing} differ from solo): the run measures how far off[/]",
+                          highlight=False)
+    return report
+
+
 def record_with_progress(lm, run, out: Path, writer=None) -> tuple[dict, bool]:
     """One flips recording with progress bars for its solo and batched passes."""
     from .flips import record_flips
 
+    probe = probe_if_invariant(lm, run)
     with pass_progress(f"{run.config.name}: solo (batch size 1)", f"{run.config.name}: batched (forced + free)",
                        len(run.requests), len(run.options.batch_sizes)) as advance:
-        return record_flips(lm, run, out, advance, warn_split, writer)
+        return record_flips(lm, run, out, advance, warn_split, writer, probe)
 
 
 def shard_status(placement: Placement, out: Path, complete: bool) -> None:
@@ -422,6 +447,7 @@ def verify(
     shard: Optional[str] = ShardOpt,
     resume: bool = ResumeOpt,
     tp_plan: Optional[str] = TpPlanOpt,
+    batch_invariant: bool = BatchInvariantOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Verify: decode in batches under a verification policy; every output must equal its solo reference.
@@ -442,13 +468,15 @@ def verify(
         mgbench verify --needle --batch-sizes 16 --threshold 0.47 --junit verify.xml
 
         mgbench verify --threshold 0.47 --shard 1/4 --out runs/verify     # one of 4 processes
+
+        mgbench verify --batch-invariant --policy none --require-determinism 1.0
     """
     with user_errors(debug):
         sizes = parse_batch_sizes(batch_sizes)
         options = RunOptions(
             model=model, dataset=dataset, limit=limit, seed=seed, batch_sizes=sizes, max_new_tokens=max_new_tokens,
             prefill=prefill, sort_by_length=sort_by_length, dtype=dtype, device=rank_device(device), attn=attn,
-            tp_plan=tp_plan,
+            tp_plan=tp_plan, batch_invariant=batch_invariant,
         )
         if threshold is not None and threshold_from is not None:
             raise UserError("give --threshold or --threshold-from, not both")
@@ -474,9 +502,11 @@ def _run_verify(options, placement, specs, needle, required, junit, json_out, ou
     run = prepare(options, placement.shard, placement.resume)
     with output_dir(placement, out) as target, verify_run.open_writer(run, specs, needle, target) as writer:
         lm = None if writer.finishing_only else load_with_status(options)
+        probe = probe_if_invariant(lm, run)
         with pass_progress("solo (batch size 1)", f"batched x {len(specs)} policies", len(run.requests),
                            len(options.batch_sizes) * len(specs)) as advance:
-            summary, complete = verify_run.record_verify(lm, run, specs, needle, required, writer, advance, warn_split)
+            summary, complete = verify_run.record_verify(lm, run, specs, needle, required, writer, advance, warn_split,
+                                                         probe)
     if not placement.writes:
         return 0
     if junit is not None:
@@ -595,6 +625,68 @@ def _run_compare(options, placement, tau, unit, repeats, out) -> None:
     results.publish_run(out, {"compare": compare_table}, {"summary": summary, "manifest": manifest},
                         lambda staging: plots.compare_plots(table, staging))
     report.render_compare(console, summary)
+    console.print(f"results: [bold]{out}[/]")
+
+
+@app.command()
+def probe(
+    model: str = ModelOpt,
+    dataset: str = typer.Option("math500", "--dataset", "-d", help="Where the probe prompt comes from (the longest of a seeded sample)."),
+    limit: int = typer.Option(8, "--limit", "-n", help="Sample size the probe prompt is chosen from."),
+    seed: int = SeedOpt,
+    rows: int = typer.Option(16, "--rows", help="Rows of the probe batch: row counts 1..ROWS and pad lengths 0..ROWS-1 are measured."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    attn: str = AttnOpt,
+    json_out: bool = typer.Option(False, "--json", help="Print probe.json on stdout instead of the table."),
+    out: Optional[Path] = OutOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Probe which parts of one decode step are batch-invariant on this machine, op by op.
+
+    Runs one real decode step over ROWS left-padded rows and replays every linear layer, norm,
+    activation, the lm_head and attention on each row alone and on every row count, bitwise.
+    Reports, per op: invariant or not, max |diff|, the row counts or pad lengths that differ, and
+    the exact form `--batch-invariant` runs it in (the fastest measured); then the whole step,
+    plain and in batch-invariant mode, against solo. Writes probe.json and manifest.json.
+
+    Examples:
+
+        mgbench probe
+
+        mgbench probe --rows 8 --json > probe.json
+
+        mgbench probe --model llama-3.1-8b --device cuda --rows 64
+    """
+    with user_errors(debug):
+        if rows < 2:
+            raise UserError(f"--rows must be at least 2 (got {rows}): the probe compares a batch with its rows alone")
+        options = RunOptions(model=model, dataset=dataset, limit=limit, seed=seed, batch_sizes=(rows,), dtype=dtype,
+                             device=device, attn=attn)
+        _run_probe(options, rows, json_out, out or default_out("probe", model, dataset))
+
+
+def _run_probe(options: RunOptions, rows: int, json_out: bool, out: Path) -> None:
+    import json
+    from dataclasses import asdict
+
+    from . import report, results
+    from .flips import prepare
+    from .probe_run import probe_prompt
+    from .engine.probe import probe_model
+
+    run = prepare(options)
+    results.prepare_out_dir(out)
+    lm = load_with_status(options)
+    with err_console.status(f"probing one decode step over {rows} rows"):
+        found = probe_model(lm.model, probe_prompt(lm, run.config, run.requests), rows).to_dict()
+    manifest = results.manifest("probe", {**asdict(options), "rows": rows}, lm.device,
+                                {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source})
+    results.publish_run(out, {}, {"probe": found, "manifest": manifest})
+    if json_out:
+        print(json.dumps(found, indent=2))
+        return
+    report.render_probe(console, found, options.model, lm.dtype)
     console.print(f"results: [bold]{out}[/]")
 
 

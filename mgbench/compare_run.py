@@ -1,7 +1,8 @@
 """`mgbench compare`: the same prompts and batches decoded under every policy, timed in one process.
 
 Configurations: `none` (plain batched), `always`, `margin<TAU` and `oracle`, each with `column`
-and `exact` repair; `batch-invariant` (per-row attention, the other road to determinism); and
+and `exact` repair; `batch-invariant` (every op that varies on this machine made invariant, as
+planned by a probe: the other road to determinism); and
 `solo` (each request alone, sequentially). Every configuration decodes the same batches after
 one warm-up pass; prefill is done alone once and shared, so timings cover the decode steps.
 """
@@ -16,11 +17,13 @@ import torch
 
 from . import data
 from .audit import ProgressFn, eos_token_ids, first_divergence, order_requests, pad_token_id
-from .engine.batch_invariant import per_row_attention
+from .engine.batch_invariant import InvariancePlan, decoding_mode
 from .engine.policies import MarginGate, PolicySpec, StepContext
 from .engine.runners import run_free, run_solo, synchronize
 from .engine.stopwatch import Stopwatch
+from .engine.probe import probe_model
 from .flips import PreparedRun
+from .probe_run import probe_prompt, run_summary
 
 BREAKDOWN = ("gate", "decision_sync", "reference_forward", "cache_ops")
 
@@ -40,7 +43,8 @@ def configurations(tau: float, unit: str) -> list[Config]:
     return configs + [Config("batch-invariant", None), Config("solo", None)]
 
 
-def _decode_config(config: Config, lm, batches, solos, run: PreparedRun, eos_ids, pad_id, stopwatch):
+def _decode_config(config: Config, lm, batches, solos, run: PreparedRun, eos_ids, pad_id, stopwatch,
+                   plan: InvariancePlan):
     """Decode every batch under one configuration: (seconds, outputs per request, triggers, repairs)."""
     model = lm.model
     seconds, outputs, triggers, repairs = 0.0, {}, 0, 0
@@ -53,8 +57,7 @@ def _decode_config(config: Config, lm, batches, solos, run: PreparedRun, eos_ids
             continue
         prefills = [solos[i].row_prefill for i in members]
         if config.name == "batch-invariant":
-            total = max(len(p) for p in prompts)
-            with per_row_attention(model, [total - len(p) for p in prompts]):
+            with decoding_mode(model, prompts, plan):
                 free = run_free(model, prompts, prefills, "alone", pad_id, run.max_new_tokens, eos_ids)
         else:
             policy = config.spec.build(model, prompts, prefills, [solos[i].logits for i in members],
@@ -95,18 +98,19 @@ def run_compare(lm, run: PreparedRun, tau: float, unit: str, batch_size: int, re
                for s in range(0, len(order), batch_size)]
     configs = configurations(tau, unit)
     rows = []
+    probe = probe_model(model, probe_prompt(lm, run.config, run.requests), max(2, batch_size))
     with torch.inference_mode():
         solos = {i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids) for i in order}
         reference = {i: solos[i].tokens.tolist() for i in order}
         on_progress("solo", len(order))
         for config in configs:  # warm-up pass on the first batch, not recorded
-            _decode_config(config, lm, batches[:1], solos, run, eos_ids, pad_id, None)
+            _decode_config(config, lm, batches[:1], solos, run, eos_ids, pad_id, None, probe.plan)
         on_progress("warmup", 1)
         for repeat in range(repeats):
             for config in configs:
                 stopwatch = Stopwatch(device) if repeat == 0 and config.spec is not None else None
                 seconds, outputs, triggers, repairs = _decode_config(
-                    config, lm, batches, solos, run, eos_ids, pad_id, stopwatch)
+                    config, lm, batches, solos, run, eos_ids, pad_id, stopwatch, probe.plan)
                 identical = sum(first_divergence(reference[i], outputs[i]) is None for i in order)
                 if config.name == "none" and repeat == 0:
                     # batched decode iterations: each batch runs as long as its longest row
@@ -121,7 +125,7 @@ def run_compare(lm, run: PreparedRun, tau: float, unit: str, batch_size: int, re
                     **{f"t_{name}": (stopwatch.seconds.get(name, 0.0) if stopwatch else None) for name in BREAKDOWN},
                 })
                 on_progress("configs", 1)
-        extra = gate_cost(lm, batches, solos, tau, unit)
+        extra = {**gate_cost(lm, batches, solos, tau, unit), "batch_invariant": run_summary(probe)}
     table = pd.DataFrame(rows)
     plain_step = table.loc[table["config"] == "none", "seconds"].median() / max(1, iterations)
     extra["plain_batched_step_seconds"] = plain_step

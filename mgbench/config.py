@@ -34,6 +34,7 @@ class RunOptions:
     device: str = "auto"
     attn: str = "sdpa"
     tp_plan: str | None = None  # transformers tensor parallelism ("auto") under torchrun
+    batch_invariant: bool = False  # decode batches with every varying op made invariant (probed)
 
     def __post_init__(self) -> None:
         if any(b < 1 for b in self.batch_sizes):
@@ -50,5 +51,8 @@ class RunOptions:
             raise UserError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if self.attn not in ATTN_IMPLEMENTATIONS:
             raise UserError(f"--attn {self.attn!r}: choose one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+        if self.batch_invariant and self.prefill != "alone":
+            raise UserError("--batch-invariant prefills each request alone (the padded prefill is the batch "
+                            "dependence it removes): drop --prefill batched")
         if self.tp_plan not in (None, "auto"):
             raise UserError(f"--tp-plan {self.tp_plan!r}: the only plan is auto (the model's own tensor-parallel plan)")

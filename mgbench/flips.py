@@ -78,6 +78,7 @@ def summarize(run: PreparedRun, tables: dict[str, pa.Table], group_records: list
         "model": options.model,
         "dataset": run.config.name,
         "prefill": options.prefill,
+        "batch_invariant": options.batch_invariant,
         "max_new_tokens": run.max_new_tokens,
         "batch_sizes": list(options.batch_sizes),
         **analysis.summarize_flips(tables["steps"].to_pandas(), tables["sequences"].to_pandas()),
@@ -95,10 +96,11 @@ def open_writer(run: PreparedRun, out: Path) -> RunWriter:
 
 
 def record_flips(lm, run: PreparedRun, out: Path, on_progress: ProgressFn, on_split: SplitFn = lambda b, h: None,
-                 writer: RunWriter | None = None) -> tuple[dict, bool]:
+                 writer: RunWriter | None = None, probe=None) -> tuple[dict, bool]:
     """Decode, analyse and publish one flips run (or shard); (summary, whole run complete?).
 
-    Groups already committed by an interrupted run are not decoded again."""
+    Groups already committed by an interrupted run are not decoded again. A batch-invariant run
+    decodes under the plan of `probe` (a ProbeReport of this model on this machine)."""
     options, config = run.options, run.config
     writer = writer or open_writer(run, out)
     summarize_run = lambda tables, records: summarize(run, tables, records)  # noqa: E731
@@ -108,12 +110,14 @@ def record_flips(lm, run: PreparedRun, out: Path, on_progress: ProgressFn, on_sp
     for index, records in audit_groups(
         lm.model, lm.tokenizer, run.requests, prompts, options, run.max_new_tokens, config.name, lm.device,
         wanted=run.wanted(writer.done_groups()), on_progress=on_progress, on_split=on_split,
+        plan=probe.plan if probe is not None else None,
     ):
         writer.commit(index, {"steps": results.steps_table(records.steps, options.model, config.name),
                               "sequences": results.sequences_table(records.sequences, options.model)},
                       group_record(records))
     run_manifest = results.manifest(
         "flips", {**asdict(options), "max_new_tokens": run.max_new_tokens, "shard": str(run.shard)}, lm.device,
-        {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source, "dataset_config": asdict(config)},
+        {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source, "dataset_config": asdict(config),
+         **({"probe": probe.to_dict()} if probe is not None else {})},
     )
     return finish_run(writer, SCHEMAS, summarize_run, run_manifest)

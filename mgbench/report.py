@@ -33,6 +33,7 @@ def render_flips(console: Console, summary: dict, pads: pd.DataFrame) -> None:
         ("solo decode tokens/s", _fmt(summary["solo_tokens_per_s"])),
         ("batched decode tokens/s", _fmt(summary["batched_tokens_per_s"])),
         ("prefill", summary["prefill"]),
+        ("batch-invariant mode", "on" if summary.get("batch_invariant") else "off"),
         ("max new tokens", summary["max_new_tokens"]),
     ]
     for name, value in rows:
@@ -178,3 +179,38 @@ def render_compare(console: Console, summary: dict) -> None:
     for row in summary["breakdown"]:
         breakdown.add_row(row["config"], *[_fmt(row.get(f"t_{k}"), 3) for k in ("gate", "decision_sync", "reference_forward", "cache_ops")])
     console.print(breakdown)
+
+
+def _yes(flag: bool) -> str:
+    return "[green]yes[/]" if flag else "[bold red]no[/]"
+
+
+def _spans(values: list[int]) -> str:
+    """[1, 2, 3, 5, 9, 10] -> '1-3, 5, 9-10' (what differs, readable at any length)."""
+    spans, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            spans.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(spans) or "-"
+
+
+def render_probe(console: Console, probe: dict, model: str, dtype: str) -> None:
+    machine = probe["machine"]
+    where = machine.get("gpu") or f"{machine['cpu']}, torch CPU capability {machine['cpu_capability']}"
+    table = Table(title=f"mgbench probe: {model} ({dtype}) on {where}; {probe['rows']} rows, pads "
+                        f"{_spans(probe['pad_lens'])}")
+    for column, justify in (("op", "left"), ("module / shape", "left"), ("n", "right"), ("invariant", "center"),
+                            ("max |diff|", "right"), ("differs at", "left"), ("batch-invariant form", "left"),
+                            ("batched ms", "right"), ("form ms", "right")):
+        table.add_column(column, justify=justify)
+    for f in probe["findings"]:
+        differs = f"{f['axis']} {_spans(f['varies_at'])}" if f["varies_at"] else "-"
+        table.add_row(f["op"], f["name"], str(f["modules"]), _yes(f["invariant"]), _fmt(f["max_abs_diff"], 3),
+                      differs, f["form"], _fmt(f["batched_ms"], 3), _fmt(f["form_ms"], 3))
+    console.print(table)
+    increment = probe["invariant_step_increment"]
+    console.print(f"decode step: plain {probe['plain_step_ms']:.1f} ms, batch-invariant {probe['invariant_step_ms']:.1f} ms "
+                  f"({_pct(increment)}); batch-invariant mode exact on the probe batch: {_yes(probe['batch_invariant_exact'])}")

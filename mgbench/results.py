@@ -210,7 +210,9 @@ def device_name(device: str) -> str:
 
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
-    return f"{platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()})"
+    from .hardware import cpu_name
+
+    return f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def manifest(command: str, options: dict, device: str, extra: dict | None = None) -> dict:

@@ -15,6 +15,7 @@ import torch
 from . import SCHEMA_VERSION, analysis, data, results
 from .audit import (ProgressFn, batch_id_base, eos_token_ids, first_divergence, pad_token_id, plan_groups,
                     solo_groups)
+from .engine.batch_invariant import InvariancePlan, decoding_mode
 from .engine.policies import PolicySpec
 from .engine.runners import row_prefills, run_free
 from .flips import PreparedRun, fingerprint
@@ -67,8 +68,10 @@ def group_record(records: VerifyRecords) -> dict:
 
 
 def verify_groups(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, wanted: Callable[[int], bool],
-                  on_progress: ProgressFn, on_split: SplitFn) -> Iterator[tuple[int, VerifyRecords]]:
-    """Yield (group index, records of that group) for every wanted group, in decoding order."""
+                  on_progress: ProgressFn, on_split: SplitFn,
+                  plan: InvariancePlan | None = None) -> Iterator[tuple[int, VerifyRecords]]:
+    """Yield (group index, records of that group) for every wanted group, in decoding order.
+    With a `plan` (the batch-invariant mode) every batch decodes under it, policies on top."""
     model, tokenizer, options, device = lm.model, lm.tokenizer, run.options, lm.device
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
@@ -92,7 +95,7 @@ def verify_groups(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, w
                                           options.seed):
                         def run_batch(chosen, batch=batch):
                             part = batch.part(chosen)
-                            return part, _run_batch(model, run, spec, pad_id, eos_ids, part)
+                            return part, _run_batch(model, run, spec, pad_id, eos_ids, part, plan)
 
                         for _, (part, (free, policy)) in run_splitting_on_oom(batch.members, run_batch, split,
                                                                               len(batch.prompts)):
@@ -133,10 +136,12 @@ class Batch:
                      for values in (self.prompts, self.prefills, self.logits)))
 
 
-def _run_batch(model, run, spec, pad_id, eos_ids, batch: Batch):
+def _run_batch(model, run, spec, pad_id, eos_ids, batch: Batch, plan: InvariancePlan | None):
     prefills = row_prefills(model, batch.prompts, batch.prefills)
     policy = spec.build(model, batch.prompts, prefills, batch.logits, run.max_new_tokens)
-    free = run_free(model, batch.prompts, prefills, run.options.prefill, pad_id, run.max_new_tokens, eos_ids, policy)
+    with decoding_mode(model, batch.prompts, plan):
+        free = run_free(model, batch.prompts, prefills, run.options.prefill, pad_id, run.max_new_tokens, eos_ids,
+                        policy)
     return free, policy
 
 
@@ -215,6 +220,7 @@ def summarize(run: PreparedRun, specs: list[PolicySpec], needle: bool, required:
     margin = next((s for s in specs if s.kind == "margin"), None)
     return {
         "model": run.options.model, "dataset": run.config.name, "prefill": run.options.prefill, "needle": needle,
+        "batch_invariant": run.options.batch_invariant,
         "batch_sizes": list(run.options.batch_sizes), "max_new_tokens": run.max_new_tokens,
         "threshold": margin.tau if margin else None, "threshold_unit": margin.unit if margin else None,
         **analysis.summarize_verify(tables["sequences"].to_pandas(), seconds,
@@ -229,17 +235,18 @@ def open_writer(run: PreparedRun, specs: list[PolicySpec], needle: bool, out) ->
 
 
 def record_verify(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, required: float | None,
-                  writer: RunWriter, on_progress: ProgressFn, on_split: SplitFn) -> tuple[dict, bool]:
+                  writer: RunWriter, on_progress: ProgressFn, on_split: SplitFn, probe=None) -> tuple[dict, bool]:
     """Decode, analyse and publish one verify run (or shard); (summary, whole run complete?)."""
     summarize_run = lambda tables, records: summarize(run, specs, needle, required, tables, records)  # noqa: E731
     if writer.finishing_only:
         return finish_run(writer, SCHEMAS, summarize_run, None)
     for index, records in verify_groups(lm, run, specs, needle, run.wanted(writer.done_groups()), on_progress,
-                                        on_split):
+                                        on_split, probe.plan if probe is not None else None):
         writer.commit(index, {"steps": steps_table(records), "sequences": sequences_table(records)},
                       group_record(records))
     manifest = results.manifest("verify", {**asdict(run.options), "policies": [s.label for s in specs],
                                            "needle": needle, "require_determinism": required,
                                            "shard": str(run.shard)}, lm.device,
-                                {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source})
+                                {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source,
+                                 **({"probe": probe.to_dict()} if probe is not None else {})})
     return finish_run(writer, SCHEMAS, summarize_run, manifest)
