@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from contextlib import contextmanager
@@ -25,8 +26,18 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
 )
-console = Console()
-err_console = Console(stderr=True)
+
+
+def log_width(stream) -> int | None:
+    """Full width where output goes to a file or a CI log (no cut columns, no ellipses): rich's
+    80-column default applies only when the stream is not a terminal and COLUMNS is unset."""
+    if "COLUMNS" in os.environ or stream.isatty():
+        return None
+    return 10_000
+
+
+console = Console(width=log_width(sys.stdout))
+err_console = Console(stderr=True, width=log_width(sys.stderr))
 
 
 @contextmanager

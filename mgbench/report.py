@@ -208,8 +208,9 @@ def render_probe(console: Console, probe: dict, model: str, dtype: str) -> None:
         table.add_column(column, justify=justify)
     for f in probe["findings"]:
         differs = f"{f['axis']} {_spans(f['varies_at'])}" if f["varies_at"] else "-"
+        form = "-" if f["form"] == "batched" else f["form"]
         table.add_row(f["op"], f["name"], str(f["modules"]), _yes(f["invariant"]), _fmt(f["max_abs_diff"], 3),
-                      differs, f["form"], _fmt(f["batched_ms"], 3), _fmt(f["form_ms"], 3))
+                      differs, form, _fmt(f["batched_ms"], 3), _fmt(f["form_ms"], 3))
     console.print(table)
     increment = probe["invariant_step_increment"]
     console.print(f"decode step: plain {probe['plain_step_ms']:.1f} ms, batch-invariant {probe['invariant_step_ms']:.1f} ms "

@@ -50,9 +50,11 @@ def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
     from . import plots, results
 
     s = _read_json(run / "summary.json")
-    lines = _table(["steps", "flips", "flip rate", "sequences", "diverged", "determinism", "solo tok/s", "batched tok/s"],
-                   [[s["steps"], s["flips"], _pct(s["flip_rate"]), s["sequences"], s["sequences_diverged"],
-                     _pct(s["determinism"]), _num(s["solo_tokens_per_s"]), _num(s["batched_tokens_per_s"])]])
+    lines = _table(["batch-invariant mode", "steps", "flips", "flip rate", "sequences", "diverged", "determinism",
+                    "solo tok/s", "batched tok/s"],
+                   [["on" if s.get("batch_invariant") else "off", s["steps"], s["flips"], _pct(s["flip_rate"]),
+                     s["sequences"], s["sequences_diverged"], _pct(s["determinism"]), _num(s["solo_tokens_per_s"]),
+                     _num(s["batched_tokens_per_s"])]])
     q = s["margin_logit_quantiles_flip"]
     lines += [f"Batched margin at flips (logit): median {_num(q.get('q50'))}, max {_num(q.get('q100'))}; "
               f"at non-flip steps: median {_num(s['margin_logit_quantiles_non_flip'].get('q50'))}.", ""]
@@ -95,6 +97,21 @@ def compare_section(run: Path, out: Path, prefix: str) -> list[str]:
     return lines + _copy_plots(run, out, prefix, ("latency_increment.png", "determinism_vs_triggers.png"))
 
 
+def probe_section(run: Path, out: Path, prefix: str) -> list[str]:
+    p = _read_json(run / "probe.json")
+    m = p["machine"]
+    lines = [f"Machine: {m.get('gpu') or m['cpu']}, torch CPU capability {m['cpu_capability']}, {p['rows']} rows "
+             f"(pads {p['pad_lens'][0]}-{p['pad_lens'][-1]}).", ""]
+    lines += _table(["op", "module / shape", "n", "invariant", "max abs diff", "differs at", "batch-invariant form"],
+                    [[f["op"], f["name"], f["modules"], "yes" if f["invariant"] else "**no**", _num(f["max_abs_diff"]),
+                      f"{f['axis']} {', '.join(map(str, f['varies_at']))}" if f["varies_at"] else "-",
+                      "-" if f["form"] == "batched" else f["form"]] for f in p["findings"]])
+    lines += [f"Decode step: plain {p['plain_step_ms']:.1f} ms, batch-invariant {p['invariant_step_ms']:.1f} ms "
+              f"({_pct(p['invariant_step_increment'])}); exact on the probe batch: "
+              f"{'yes' if p['batch_invariant_exact'] else 'NO'}.", ""]
+    return lines
+
+
 def _copy_plots(run: Path, out: Path, prefix: str, names) -> list[str]:
     lines = []
     for name in names:
@@ -105,7 +122,8 @@ def _copy_plots(run: Path, out: Path, prefix: str, names) -> list[str]:
     return lines
 
 
-SECTIONS = {"flips": flips_section, "calibrate": calibrate_section, "verify": verify_section, "compare": compare_section}
+SECTIONS = {"flips": flips_section, "calibrate": calibrate_section, "verify": verify_section, "compare": compare_section,
+            "probe": probe_section}
 
 
 def render(runs: list[Path], out: Path) -> Path:

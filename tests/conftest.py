@@ -27,7 +27,8 @@ def math500_prompts(default_lm):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_lm):
     """A random-init Llama with the default model's tokenizer, saved as a local model folder.
-    Planted near-tie rows make its batched decoding flip on AVX2 CPUs (pads not multiple of 8)."""
+    Planted near-tie rows make its batched decoding flip wherever the batch changes a last bit
+    (`tiny_probe` measures whether it does on this machine)."""
     folder = tmp_path_factory.mktemp("tiny-model")
     from helpers import plant_near_ties, tiny_llama
 
@@ -39,3 +40,17 @@ def tiny_model_dir(tmp_path_factory, default_lm):
     return folder
 
 
+
+
+@pytest.fixture(scope="session")
+def tiny_probe(tiny_model_dir):
+    """The probe of the tiny model on this machine: what varies here, and so which controls hold."""
+    from mgbench import data
+    from mgbench.engine.probe import probe_model
+    from mgbench.models import load_model
+
+    lm = load_model(str(tiny_model_dir), "bf16", "cpu", "sdpa")
+    config = data.load_config("gsm8k")
+    records = data.read_records(config)[:6]
+    prompt = max((data.encode(lm.tokenizer, config, data.prompt_text(config, r)) for r in records), key=len)
+    return probe_model(lm.model, __import__("torch").tensor(prompt), rows=16)

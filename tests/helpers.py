@@ -5,11 +5,6 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-# torch reports which SIMD kernels it dispatches to; the SDPA-over-padding flips asserted in
-# the hardware tests were measured with AVX2 (8-wide vectors: pads that are multiples of 8 agree).
-CPU_CAPABILITY = torch.backends.cpu.get_cpu_capability()
-AVX2 = CPU_CAPABILITY == "AVX2"
-
 
 def tiny_llama(hidden: int = 128, vocab: int = 8192, layers: int = 2, kv_heads: int = 4, seed: int = 0):
     """Random-init bf16 Llama without grouped-query attention (kv_heads == heads), SDPA attention."""
@@ -51,3 +46,25 @@ class BatchedRunnerUpNudge(torch.nn.Module):
 def random_prompts(lengths, vocab: int, seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
+
+
+class RowCountPerturbedLinear(torch.nn.Linear):
+    """DETERMINISTIC TEST PERTURBATION: a linear layer whose result depends on the row count, as
+    the bf16 GEMMs of some CPUs do: called with more than `invariant_up_to` rows, every output is
+    offset by `delta`. Stands in for a varying kernel on machines where none varies."""
+
+    def __init__(self, linear: torch.nn.Linear, invariant_up_to: int, delta: float = 0.01):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                         dtype=linear.weight.dtype)
+        self.load_state_dict(linear.state_dict())
+        self.invariant_up_to, self.delta = invariant_up_to, delta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out + self.delta if x.shape[0] > self.invariant_up_to else out
+
+
+def measured_plain_varies(probe) -> str:
+    """The fact a positive control rests on, for its assertion message."""
+    return (f"the probe measured plain batched decoding differing from solo on this machine "
+            f"({probe.machine['cpu']}, {probe.machine['cpu_capability']}): rows {probe.plain_rows_differing}")

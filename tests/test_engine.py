@@ -4,7 +4,7 @@ negative and positive controls, exact cache operations."""
 import pytest
 import torch
 
-from helpers import AVX2, BatchedRunnerUpNudge, plant_near_ties, random_prompts, tiny_llama
+from helpers import BatchedRunnerUpNudge, measured_plain_varies, plant_near_ties, random_prompts, tiny_llama
 from mgbench.engine import cache as cache_ops
 from mgbench.engine.decode import prefill_alone
 from mgbench.engine.runners import run_free, run_solo, run_teacher_forced
@@ -77,43 +77,74 @@ def test_teacher_forced_flips_agree_with_independent_loop():
     assert (margins[engine_flips.flatten()] < 0.05 + 0.01).all()  # flips only where the nudge can reach
 
 
-@pytest.mark.parametrize("prefill", ["alone", "batched"])
-def test_negative_control_equal_lengths_bitwise_equal(prefill):
+@pytest.fixture(scope="module")
+def planted():
+    """The tiny planted model and its probe on this machine (32 rows: pads 0-31)."""
+    from mgbench.engine.probe import probe_model
+
     model = tiny_llama()
     plant_near_ties(model)
+    with torch.inference_mode():
+        probe = probe_model(model, random_prompts([40], vocab=8192, seed=7)[0], rows=32)
+    return model, probe
+
+
+def row_count_varying(probe) -> list[str]:
+    return [f.name for f in probe.findings if f.axis == "rows" and not f.invariant]
+
+
+@pytest.mark.parametrize("prefill", ["alone", "batched"])
+def test_negative_control_equal_lengths(planted, prefill):
+    """No padding: the batch equals solo bitwise where the probe finds no op varying with the row
+    count on this machine; where one does, the batch differs (asserted as measured)."""
+    model, probe = planted
     prompts = random_prompts([16, 16, 16, 16], vocab=8192, seed=3)
     solos = solos_of(model, prompts, 24)
     with torch.inference_mode():
         result = run_teacher_forced(model, prompts, solos, prefill, PAD_ID)
         free = run_free(model, prompts, [s.row_prefill for s in solos], prefill, PAD_ID, 24, set())
     assert result.pad_lens == [0, 0, 0, 0]
-    for row in result.rows:
-        assert row["max_abs_logit_diff"].max() == 0.0
-        assert not row["flipped"].any()
-        assert row["kv_delta_max"].max() == 0.0
-    assert all(f == s.tokens.tolist() for f, s in zip(free.tokens, solos))
+    bitwise = all(row["max_abs_logit_diff"].max() == 0.0 and row["kv_delta_max"].max() == 0.0 for row in result.rows)
+    varying = row_count_varying(probe)
+    assert bitwise == (not varying), (f"ops varying with the row count here: {varying or 'none'}; the unpadded "
+                                      f"batch {'equals' if bitwise else 'differs from'} solo")
+    if bitwise:
+        assert not any(row["flipped"].any() for row in result.rows)
+        assert all(f == s.tokens.tolist() for f, s in zip(free.tokens, solos))
 
 
-@pytest.mark.skipif(not AVX2, reason="SDPA-over-padding flips were measured on AVX2 CPUs (8-wide vectors)")
-def test_positive_control_padding_not_multiple_of_8_flips():
+def test_probe_accounts_for_every_row_that_differs():
+    """Negative control inside the probe: a row where every op equals the op on the row alone
+    must give the solo logits; the rows that differ are a subset of the rows with a varying op."""
+    from mgbench.engine.probe import probe_model
+
     model = tiny_llama()
-    plant_near_ties(model)
+    with torch.inference_mode():
+        probe = probe_model(model, random_prompts([40], vocab=8192, seed=7)[0], rows=32)
+    assert set(probe.plain_rows_differing) <= set(probe.varying_op_rows)
+    assert probe.exact and probe.invariant_rows_differing == []
+    ops = {f.op for f in probe.findings}
+    assert {"linear", "lm_head", "norm", "activation", "embedding", "attention", "argmax", "decode step"} <= ops
+
+
+def test_positive_control_chosen_by_the_probe_of_this_machine(planted):
+    """Where the probe measures plain batched decoding differing from solo, a padded batch of the
+    planted model differs, flips and diverges; where it measures nothing, the batch equals solo."""
+    model, probe = planted
     prompts = random_prompts([12, 17, 20, 25, 9, 28, 4, 21], vocab=8192)
     solos = solos_of(model, prompts, 32)
     with torch.inference_mode():
         result = run_teacher_forced(model, prompts, solos, "alone", PAD_ID)
         free = run_free(model, prompts, [s.row_prefill for s in solos], "alone", PAD_ID, 32, set())
-    aligned = [row for row, pad in enumerate(result.pad_lens) if pad % 8 == 0]
-    unaligned = [row for row, pad in enumerate(result.pad_lens) if pad % 8 != 0]
-    assert aligned and unaligned
-    for row in aligned:
-        assert result.rows[row]["max_abs_logit_diff"].max() == 0.0
-        assert free.tokens[row] == solos[row].tokens.tolist()
-    assert all(result.rows[row]["max_abs_logit_diff"].max() > 0 for row in unaligned)
-    flips = sum(int(result.rows[row]["flipped"].sum()) for row in unaligned)
-    assert flips > 0
-    diverged = [row for row in unaligned if free.tokens[row] != solos[row].tokens.tolist()]
-    assert diverged, "plain batched free-running decoding must diverge somewhere (negative control for verify)"
+    differs = [r for r, row in enumerate(result.rows) if row["max_abs_logit_diff"].max() > 0]
+    if not probe.varies:
+        assert not differs, "the probe found nothing varying on this machine, so the batch must equal solo"
+        return
+    assert differs, measured_plain_varies(probe)
+    assert sum(int(result.rows[r]["flipped"].sum()) for r in differs) > 0, \
+        f"{measured_plain_varies(probe)}, and the planted near-ties turn that into flips"
+    assert any(free.tokens[r] != solos[r].tokens.tolist() for r in differs), \
+        "plain batched free-running decoding must diverge somewhere (negative control for verify)"
 
 
 def test_cache_row_slice_and_column_overwrite_are_exact():

@@ -14,7 +14,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from helpers import AVX2
 from mgbench import oom, results, verify_run
 from mgbench.results import missing_shards
 from mgbench.cli import Placement, app
@@ -173,7 +172,8 @@ def out_of_memory_above(limit, run):
     return wrapped
 
 
-def test_out_of_memory_retries_smaller_batches_and_says_so(reference, tiny_model_dir, tmp_path, monkeypatch):
+def test_out_of_memory_retries_smaller_batches_and_says_so(reference, tiny_model_dir, tiny_probe, tmp_path,
+                                                           monkeypatch):
     from mgbench import audit
 
     monkeypatch.setattr(audit, "run_teacher_forced", out_of_memory_above(1, audit.run_teacher_forced))
@@ -185,9 +185,9 @@ def test_out_of_memory_retries_smaller_batches_and_says_so(reference, tiny_model
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["oom_splits"] == [{"batch_size": 2, "retried_as": 1}] * 3
     # Batch size 1 is solo decoding: the retried run has no flips, unlike the reference's batches
-    # (whose flips come from SDPA over padding, measured on AVX2).
+    # where the probe measures plain batched decoding varying on this machine.
     assert summary["flips"] == 0
-    if AVX2:
+    if tiny_probe.varies:
         assert json.loads((reference / "summary.json").read_text())["flips"] > 0
 
 
