@@ -86,6 +86,9 @@ DebugOpt = typer.Option(False, "--debug", help="Show the traceback of an error."
 ShardOpt = typer.Option(None, "--shard", help="Decode shard I of N (I/N, from 0) into a shared --out; under torchrun RANK/WORLD_SIZE set it.")
 ResumeOpt = typer.Option(False, "--resume", help="Continue an interrupted run in --out from its last finished group of requests.")
 TpPlanOpt = typer.Option(None, "--tp-plan", help="`auto`: split the model over the torchrun processes (transformers tensor parallelism).")
+JsonOpt = typer.Option(False, "--json", help="Print the summary as JSON on stdout (nothing else goes to stdout).")
+BaselineOpt = typer.Option(None, "--baseline", help="A recorded run of the same audit: exit 1 when flips or divergences rose beyond chance (paired one-sided exact test).")
+AlphaOpt = typer.Option(0.01, "--alpha", help="Significance level of the --baseline test.")
 BatchInvariantOpt = typer.Option(False, "--batch-invariant", help="Decode batches with every op that varies on this machine made invariant (measured by `mgbench probe` first; per-row attention, exact forms of varying layers).")
 
 
@@ -108,6 +111,12 @@ def flips(
     resume: bool = ResumeOpt,
     tp_plan: Optional[str] = TpPlanOpt,
     batch_invariant: bool = BatchInvariantOpt,
+    require_determinism: Optional[float] = typer.Option(None, "--require-determinism", help="Exit 1 when the share of sequences equal to solo is below this (e.g. 1.0)."),
+    max_flip_rate: Optional[float] = typer.Option(None, "--max-flip-rate", help="Exit 1 when flips / teacher-forced steps is above this (e.g. 0.01)."),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML: one case per dataset and batch size, and the baseline test."),
+    baseline: Optional[Path] = BaselineOpt,
+    alpha: float = AlphaOpt,
+    json_out: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Audit flips: decode each request alone and inside batches, compare token by token.
@@ -115,21 +124,33 @@ def flips(
     Teacher-forced batched decoding (fed the solo tokens) counts **flips** (batched argmax !=
     solo argmax) with their top-1/top-2 margins and K/V perturbation; free-running batched
     decoding measures sequence-level determinism. Writes steps.parquet, sequences.parquet,
-    summary.json and manifest.json.
+    summary.json and manifest.json. Exit codes: 0 ok, 1 a --require-determinism,
+    --max-flip-rate or --baseline check failed, 2 bad input.
 
     Examples:
 
         mgbench flips --limit 8 --max-new-tokens 32
 
-        mgbench flips --dataset gsm8k --limit 16 --batch-sizes 1,4,16 --out runs/gsm8k
+        mgbench flips --dataset gsm8k --limit 16 --batch-sizes 1,4,16
 
-        mgbench flips --model llama-3.1-8b --dataset math500 --batch-size 64 --device cuda
+        mgbench flips --model llama-3.1-8b --batch-size 64 --device cuda
 
-        mgbench flips --limit 64 --out runs/m --resume                  # continue after a crash
+        # continue after a crash
 
-        mgbench flips --batch-invariant --limit 16 --max-new-tokens 32  # expect 0 flips
+        mgbench flips --limit 64 --out runs/m --resume
 
-        torchrun --nproc-per-node 8 -m mgbench flips --model llama-3.1-8b --limit 512 --out runs/m8
+        # expect 0 flips
+
+        mgbench flips --batch-invariant --limit 16 --max-new-tokens 32
+
+        # record a baseline, then gate later runs on it
+
+        mgbench flips --limit 16 --out runs/base
+
+        mgbench flips --limit 16 --baseline runs/base --junit flips.xml
+
+        torchrun --nproc-per-node 8 -m mgbench flips --model llama-3.1-8b \\
+            --limit 512 --out runs/m8
     """
     with user_errors(debug):
         sizes = parse_batch_sizes(batch_sizes) if batch_sizes else (batch_size,)
@@ -138,8 +159,12 @@ def flips(
             max_new_tokens=max_new_tokens, prefill=prefill, sort_by_length=sort_by_length,
             dtype=dtype, device=rank_device(device), attn=attn, tp_plan=tp_plan, batch_invariant=batch_invariant,
         )
+        from .gate import GateSpec, Thresholds
+
+        spec = GateSpec(Thresholds(require_determinism, max_flip_rate), baseline, alpha)
         placement = Placement.resolve(shard, resume, tp_plan, out)
-        _run_flips(options, placement, out or default_out("flips", model, dataset))
+        code = _run_flips(options, placement, out or default_out("flips", model, dataset), spec, junit, json_out)
+    raise typer.Exit(code)
 
 
 def rank_device(device: str) -> str:
@@ -260,21 +285,87 @@ def shard_status(placement: Placement, out: Path, complete: bool) -> None:
         console.print(f"shard {placement.shard}: done; waiting for shard {', '.join(missing_shards(out))}")
 
 
-def _run_flips(options: RunOptions, placement: Placement, out: Path) -> None:
+def attach_gate(run, spec, command: str, extra_identity: dict | None = None):
+    """Load and check the baseline (before any model is loaded) and let the run's summary carry the
+    gate's verdict. Returns the baseline (or None)."""
+    from dataclasses import asdict
+
+    from . import gate
+
+    baseline = gate.load_baseline(spec.baseline, command) if spec.baseline is not None else None
+    if baseline is not None:
+        gate.check_baseline(baseline, gate.run_identity({**asdict(run.options), "max_new_tokens": run.max_new_tokens},
+                                                        [r.request_id for r in run.requests], extra_identity))
+    if spec.active:
+        teacher_forced = command == "flips"  # verify's steps are free-running: its test is on sequences
+        run.gate = lambda summary, tables: gate.evaluate(
+            spec, summary, tables["steps"].to_pandas() if teacher_forced else None, tables["sequences"].to_pandas(),
+            baseline, None if teacher_forced else ["policy"])
+    return baseline
+
+
+def finish_output(out: Path, summary: dict, json_out: bool, render) -> None:
+    """The run's report on the terminal, or its summary as JSON on stdout (then nothing else
+    goes there); and its report.md section in the GitHub step summary when CI asks for one."""
+    if json_out:
+        from .results import json_text
+
+        print(json_text(summary), end="")
+        err_console.print(f"results: {out}", highlight=False)
+    else:
+        render()
+        console.print(f"results: [bold]{out}[/]")
+    step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if step_summary:
+        from .report_md import section_markdown
+
+        with open(step_summary, "a", encoding="utf-8") as handle:
+            handle.write(section_markdown(out) + "\n")
+
+
+def gate_lines(summary: dict) -> None:
+    """What the gate decided, on stderr (stdout may be JSON)."""
+    gate = summary.get("gate")
+    if not gate:
+        return
+    from .gate import describe_failure
+
+    for failure in gate["failures"]:
+        err_console.print(f"[bold red]FAIL[/] {describe_failure(failure)}", highlight=False, soft_wrap=True)
+    if gate["passed"]:
+        tested = gate.get("baseline", {}).get("tests", {})
+        against = "; ".join(f"{name} p = {t['p_value']:.3g}" for name, t in tested.items())
+        err_console.print(f"[green]PASS[/] determinism gate" + (f" (baseline: {against})" if against else ""),
+                          highlight=False)
+
+
+def _run_flips(options: RunOptions, placement: Placement, out: Path, spec, junit, json_out: bool) -> int:
     # Imported here so that `--help` and input errors answer without loading torch.
-    from . import analysis, report, results
+    from . import analysis, data, gate, report, results
     from .flips import open_writer, prepare
+    from .junit import flips_junit, write_junit
 
     run = prepare(options, placement.shard, placement.resume)
+    baseline = attach_gate(run, spec, "flips")
     with output_dir(placement, out) as target, open_writer(run, target) as writer:
         lm = None if writer.finishing_only else load_with_status(options)
+        if baseline is not None and lm is not None:
+            gate.check_baseline_prompts(baseline, {r.request_id: data.encode(lm.tokenizer, run.config, r.text)
+                                                   for r in run.requests})
         summary, complete = record_with_progress(lm, run, target, writer)
     if not placement.writes:
-        return
+        return 0
     sequences = results.read_own_table(out, "sequences", results.SEQUENCES_SCHEMA, placement.shard).to_pandas()
-    report.render_flips(console, summary, analysis.batch_pad_lengths(sequences))
-    shard_status(placement, out, complete)
-    console.print(f"results: [bold]{out}[/]")
+    if junit is not None:
+        write_junit(junit, flips_junit(summary))
+
+    def render() -> None:
+        report.render_flips(console, summary, analysis.batch_pad_lengths(sequences))
+        shard_status(placement, out, complete)
+
+    finish_output(out, summary, json_out, render)
+    gate_lines(summary)
+    return 0 if (summary.get("gate") or {"passed": True})["passed"] else 1
 
 
 @app.command()
@@ -298,6 +389,7 @@ def calibrate(
     transfer: Optional[str] = typer.Option(None, "--transfer", help="Comma-separated datasets or run dirs to test the TAU on."),
     require_flips: bool = typer.Option(False, "--require-flips", help="Exit 1 when the traces hold no flip."),
     out: Optional[Path] = OutOpt,
+    json_out: bool = typer.Option(False, "--json", help="Print calibration.json on stdout (nothing else goes to stdout)."),
     debug: bool = DebugOpt,
 ) -> None:
     """Calibrate the MarginGate threshold: the smallest TAU whose gate (margin < TAU) catches every flip.
@@ -328,11 +420,11 @@ def calibrate(
         options = CalibrateOptions(SafetyRule.parse(safety), unit, confidence)
         transfer_items = [item.strip() for item in (transfer or "").split(",") if item.strip()]
         target = out or default_out("calibrate", model, "+".join(str(r) for r in runs) if runs else dataset)
-        code = _run_calibrate(list(runs or []), record_options, options, transfer_items, require_flips, target)
+        code = _run_calibrate(list(runs or []), record_options, options, transfer_items, require_flips, target, json_out)
     raise typer.Exit(code)
 
 
-def _run_calibrate(runs, record_options, options, transfer_items, require_flips, out) -> int:
+def _run_calibrate(runs, record_options, options, transfer_items, require_flips, out, json_out=False) -> int:
     from dataclasses import asdict, replace
 
     import pandas as pd
@@ -381,8 +473,7 @@ def _run_calibrate(runs, record_options, options, transfer_items, require_flips,
                                               "safety": str(options.safety), "unit": options.unit,
                                               "confidence": options.confidence, "transfer": transfer_items}, device)
     calibrate_run.publish(out, document, curves, steps, manifest)
-    report.render_calibration(console, document)
-    console.print(f"results: [bold]{out}[/]")
+    finish_output(out, document, json_out, lambda: report.render_calibration(console, document))
     if document["flips"] == 0:
         return 1 if require_flips else 0
     return 0
@@ -448,7 +539,9 @@ def verify(
     needle: bool = typer.Option(False, "--needle", help="Place each request at a random row among filler requests."),
     require_determinism: Optional[float] = typer.Option(None, "--require-determinism", help="Exit 1 when any policy's sequence-level determinism is below this (e.g. 1.0)."),
     junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one case per policy, dataset, batch size)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of tables."),
+    baseline: Optional[Path] = BaselineOpt,
+    alpha: float = AlphaOpt,
+    json_out: bool = JsonOpt,
     prefill: str = PrefillOpt,
     sort_by_length: bool = SortOpt,
     dtype: str = DtypeOpt,
@@ -470,15 +563,21 @@ def verify(
 
     Examples:
 
-        mgbench verify --dataset math500 --threshold-from calibration.json --batch-sizes 4,8,16 --require-determinism 1.0
+        mgbench verify --threshold-from calibration.json --batch-sizes 4,8,16 \\
+            --require-determinism 1.0
 
-        mgbench verify --policy none --require-determinism 1.0          # the negative control: fails
+        # the negative control: fails
 
-        mgbench verify --policy margin,always,oracle --repair column,exact --threshold 0.47 --json
+        mgbench verify --policy none --require-determinism 1.0
 
-        mgbench verify --needle --batch-sizes 16 --threshold 0.47 --junit verify.xml
+        mgbench verify --policy margin,always,oracle --repair column,exact \\
+            --threshold 0.47 --json
 
-        mgbench verify --threshold 0.47 --shard 1/4 --out runs/verify     # one of 4 processes
+        mgbench verify --needle --batch-sizes 16 --threshold 0.47 --junit v.xml
+
+        # one of 4 processes
+
+        mgbench verify --threshold 0.47 --shard 1/4 --out runs/verify
 
         mgbench verify --batch-invariant --policy none --require-determinism 1.0
     """
@@ -497,20 +596,22 @@ def verify(
         specs = policy_specs(policy, repair, tau, unit)
         if require_determinism is not None and not 0 <= require_determinism <= 1:
             raise UserError(f"--require-determinism {require_determinism}: use a fraction in [0, 1]")
+        from .gate import GateSpec, Thresholds
+
+        gate_spec = GateSpec(Thresholds(), baseline, alpha)
         placement = Placement.resolve(shard, resume, tp_plan, out)
         code = _run_verify(options, placement, specs, needle, require_determinism, junit, json_out,
-                           out or default_out("verify", model, dataset))
+                           out or default_out("verify", model, dataset), gate_spec)
     raise typer.Exit(code)
 
 
-def _run_verify(options, placement, specs, needle, required, junit, json_out, out) -> int:
-    import json
-
+def _run_verify(options, placement, specs, needle, required, junit, json_out, out, gate_spec) -> int:
     from . import report, results, verify_run
     from .flips import prepare
     from .junit import junit_xml, write_junit
 
     run = prepare(options, placement.shard, placement.resume)
+    attach_gate(run, gate_spec, "verify", {"policies": [s.label for s in specs], "needle": needle})
     with output_dir(placement, out) as target, verify_run.open_writer(run, specs, needle, target) as writer:
         lm = None if writer.finishing_only else load_with_status(options)
         probe = probe_if_invariant(lm, run)
@@ -524,13 +625,15 @@ def _run_verify(options, placement, specs, needle, required, junit, json_out, ou
         sequences = results.read_own_table(out, "sequences", verify_run.VERIFY_SEQUENCES_SCHEMA, placement.shard)
         sequences = sequences.to_pandas()
         write_junit(junit, junit_xml(sequences, 1.0 if required is None else required))
-    if json_out:
-        print(json.dumps(summary, indent=2))
-    else:
+
+    def render() -> None:
         report.render_verify(console, summary)
         shard_status(placement, out, complete)
-        console.print(f"results: [bold]{out}[/]")
-    return 1 if summary["passed"] is False else 0
+
+    finish_output(out, summary, json_out, render)
+    gate_lines(summary)
+    gate_failed = summary.get("gate") is not None and not summary["gate"]["passed"]
+    return 1 if summary["passed"] is False or gate_failed else 0
 
 
 @app.command()
@@ -545,6 +648,7 @@ def compare(
     threshold_from: Optional[Path] = typer.Option(None, "--threshold-from", help="calibration.json from `mgbench calibrate`."),
     threshold_unit: str = typer.Option("logit", "--threshold-unit", help="Unit of --threshold: logit or ulp."),
     repeats: int = typer.Option(3, "--repeats", help="Timed repeats after one warm-up pass (median and spread reported)."),
+    json_out: bool = JsonOpt,
     sort_by_length: bool = SortOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -563,9 +667,11 @@ def compare(
 
     Examples:
 
-        mgbench compare --dataset math500 --limit 32 --batch-size 8 --threshold-from calibration.json
+        mgbench compare --limit 32 --batch-size 8 \\
+            --threshold-from calibration.json
 
-        mgbench compare --model llama-3.1-8b --device cuda --batch-size 64 --limit 256 --threshold 0.5
+        mgbench compare --model llama-3.1-8b --device cuda --batch-size 64 \\
+            --limit 256 --threshold 0.5
     """
     with user_errors(debug):
         options = RunOptions(model=model, dataset=dataset, limit=limit, seed=seed, batch_sizes=(batch_size,),
@@ -580,10 +686,10 @@ def compare(
         placement = Placement.resolve(None, False, tp_plan, out)
         if placement.shard.sharded:
             raise UserError("compare times one process: run it without torchrun, or under torchrun with --tp-plan auto")
-        _run_compare(options, placement, tau, unit, repeats, out or default_out("compare", model, dataset))
+        _run_compare(options, placement, tau, unit, repeats, out or default_out("compare", model, dataset), json_out)
 
 
-def _run_compare(options, placement, tau, unit, repeats, out) -> None:
+def _run_compare(options, placement, tau, unit, repeats, out, json_out=False) -> None:
     from dataclasses import asdict
 
     import pyarrow as pa
@@ -635,8 +741,7 @@ def _run_compare(options, placement, tau, unit, repeats, out) -> None:
     compare_table = compare_table.replace_schema_metadata({results.SCHEMA_KEY: SCHEMA_VERSION.encode()})
     results.publish_run(out, {"compare": compare_table}, {"summary": summary, "manifest": manifest},
                         lambda staging: plots.compare_plots(table, staging))
-    report.render_compare(console, summary)
-    console.print(f"results: [bold]{out}[/]")
+    finish_output(out, summary, json_out, lambda: report.render_compare(console, summary))
 
 
 @app.command()
@@ -678,7 +783,6 @@ def probe(
 
 
 def _run_probe(options: RunOptions, rows: int, json_out: bool, out: Path) -> None:
-    import json
     from dataclasses import asdict
 
     from . import report, results
@@ -694,17 +798,14 @@ def _run_probe(options: RunOptions, rows: int, json_out: bool, out: Path) -> Non
     manifest = results.manifest("probe", {**asdict(options), "rows": rows}, lm.device,
                                 {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source})
     results.publish_run(out, {}, {"probe": found, "manifest": manifest})
-    if json_out:
-        print(json.dumps(found, indent=2))
-        return
-    report.render_probe(console, found, options.model, lm.dtype)
-    console.print(f"results: [bold]{out}[/]")
+    finish_output(out, found, json_out, lambda: report.render_probe(console, found, options.model, lm.dtype))
 
 
 @app.command("report")
 def report_command(
     runs: list[Path] = typer.Argument(..., help="Run directories of flips, calibrate, verify or compare."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for report.md and its plots (default: reports/report-TIME/)."),
+    json_out: bool = typer.Option(False, "--json", help="Print {\"report\": PATH, \"runs\": [...]} on stdout."),
     debug: bool = DebugOpt,
 ) -> None:
     """Render report.md with tables and plots from run directories, also ones recorded on another machine.
@@ -720,12 +821,23 @@ def report_command(
 
         target = out or Path("reports") / f"report-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
         path = render(list(runs), target)
-    console.print(f"report: [bold]{path}[/]")
+    if json_out:
+        import json
+
+        print(json.dumps({"report": str(path), "runs": [str(r) for r in runs]}, indent=2))
+    else:
+        console.print(f"report: [bold]{path}[/]")
 
 
 @app.command()
-def models() -> None:
+def models(json_out: bool = typer.Option(False, "--json", help="Print the aliases as JSON.")) -> None:
     """List the model aliases (any local folder or hub id in the local cache works too)."""
+    if json_out:
+        import json
+
+        print(json.dumps([{"alias": s.alias, "hub_id": s.hub_id, "default": s.alias == DEFAULT_MODEL,
+                           "notes": s.description} for s in REGISTRY.values()], indent=2))
+        return
     table = Table(title="models")
     for column in ("alias", "hub id", "notes"):
         table.add_column(column)
@@ -735,11 +847,18 @@ def models() -> None:
 
 
 @app.command()
-def datasets(debug: bool = DebugOpt) -> None:
+def datasets(json_out: bool = typer.Option(False, "--json", help="Print the configs as JSON."),
+             debug: bool = DebugOpt) -> None:
     """List the dataset configs under datasets_cfg/ (pass a .toml path for your own)."""
     from .data import config_paths, load_config
 
     with user_errors(debug):
+        if json_out:
+            import json
+            from dataclasses import asdict
+
+            print(json.dumps([asdict(load_config(name)) for name in config_paths()], indent=2, default=str))
+            return
         table = Table(title="datasets")
         for column in ("name", "source", "prompt field", "chat template", "max new tokens", "description"):
             table.add_column(column)

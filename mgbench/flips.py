@@ -31,6 +31,8 @@ class PreparedRun:
     shard: Shard = field(default_factory=Shard)
     resume: bool = False
     owned: frozenset[int] = frozenset({0})  # group indices this shard decodes
+    # The CI gate's verdict on the finished run's (summary, tables), written into the summary.
+    gate: Callable[[dict, dict[str, pa.Table]], dict] | None = None
 
     def wanted(self, done: set[int]) -> Callable[[int], bool]:
         """Groups still to decode here: this shard's, less those an interrupted run committed."""
@@ -91,6 +93,13 @@ def summarize(run: PreparedRun, tables: dict[str, pa.Table], group_records: list
     }
 
 
+def summarize_with_gate(run: PreparedRun, tables: dict[str, pa.Table], group_records: list[dict]) -> dict:
+    summary = summarize(run, tables, group_records)
+    if run.gate is not None:
+        summary["gate"] = run.gate(summary, tables)
+    return summary
+
+
 def open_writer(run: PreparedRun, out: Path) -> RunWriter:
     return RunWriter(out, run.shard, fingerprint("flips", run), run.resume)
 
@@ -103,7 +112,7 @@ def record_flips(lm, run: PreparedRun, out: Path, on_progress: ProgressFn, on_sp
     decodes under the plan of `probe` (a ProbeReport of this model on this machine)."""
     options, config = run.options, run.config
     writer = writer or open_writer(run, out)
-    summarize_run = lambda tables, records: summarize(run, tables, records)  # noqa: E731
+    summarize_run = lambda tables, records: summarize_with_gate(run, tables, records)  # noqa: E731
     if writer.finishing_only:
         return finish_run(writer, SCHEMAS, summarize_run, None)
     prompts = [data.encode(lm.tokenizer, config, request.text) for request in run.requests]

@@ -58,6 +58,12 @@ def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
     q = s["margin_logit_quantiles_flip"]
     lines += [f"Batched margin at flips (logit): median {_num(q.get('q50'))}, max {_num(q.get('q100'))}; "
               f"at non-flip steps: median {_num(s['margin_logit_quantiles_non_flip'].get('q50'))}.", ""]
+    gate = s.get("gate")
+    if gate:
+        from .gate import describe_failure
+
+        verdict = "PASS" if gate["passed"] else "FAIL: " + "; ".join(describe_failure(f) for f in gate["failures"])
+        lines += [f"Determinism gate: {verdict}.", ""]
     plots.margin_histograms(results.read_steps(run), out / f"{prefix}margins.png")
     return lines + [f"![margins]({prefix}margins.png)", ""]
 
@@ -126,6 +132,28 @@ SECTIONS = {"flips": flips_section, "calibrate": calibrate_section, "verify": ve
             "probe": probe_section}
 
 
+def _run_lines(run: Path, kind: str, out: Path, prefix: str) -> list[str]:
+    manifest = _read_json(run / "manifest.json")
+    options = dict(manifest.get("options", {}))
+    if kind == "calibrate":  # calibrate's model and datasets live in its calibration.json
+        document = _read_json(run / "calibration.json")
+        options.update(model=document.get("model"), dataset=", ".join(document.get("datasets", [])))
+    return [f"## {kind}: {run.name}", "",
+            f"model `{options.get('model', '-')}`, dataset `{options.get('dataset', '-')}`, device "
+            f"{manifest.get('device_name', '-')}, torch {manifest.get('torch', '-')}, transformers "
+            f"{manifest.get('transformers', '-')}, mgbench git {str(manifest.get('git_revision', '-'))[:10]}", "",
+            f"Command: `{' '.join(manifest.get('argv', []))}`", ""] + SECTIONS[kind](run, out, prefix)
+
+
+def section_markdown(run: Path) -> str:
+    """One run's report.md section as text without its plots (for a CI job's step summary)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mgbench-section-") as scratch:
+        lines = _run_lines(run, run_kind(run), Path(scratch), "")
+    return "\n".join(line for line in lines if not line.startswith("!["))
+
+
 def render(runs: list[Path], out: Path) -> Path:
     """Write out/report.md (and its PNGs) for the given run directories."""
     kinds = [run_kind(run) for run in runs]
@@ -138,17 +166,7 @@ def render(runs: list[Path], out: Path) -> Path:
         raise UserError(f"--out {out}: cannot create it ({exc.strerror}); choose a writable directory") from exc
     lines = ["# mgbench report", ""]
     for index, (run, kind) in enumerate(zip(runs, kinds)):
-        manifest = _read_json(run / "manifest.json")
-        options = dict(manifest.get("options", {}))
-        if kind == "calibrate":  # calibrate's model and datasets live in its calibration.json
-            document = _read_json(run / "calibration.json")
-            options.update(model=document.get("model"), dataset=", ".join(document.get("datasets", [])))
-        lines += [f"## {kind}: {run.name}", "",
-                  f"model `{options.get('model', '-')}`, dataset `{options.get('dataset', '-')}`, device "
-                  f"{manifest.get('device_name', '-')}, torch {manifest.get('torch', '-')}, transformers "
-                  f"{manifest.get('transformers', '-')}, mgbench git {str(manifest.get('git_revision', '-'))[:10]}", "",
-                  f"Command: `{' '.join(manifest.get('argv', []))}`", ""]
-        lines += SECTIONS[kind](run, out, f"{index}-")
+        lines += _run_lines(run, kind, out, f"{index}-")
     path = out / "report.md"
     temporary = out / ".report.md.tmp"  # report.md appears whole, after its plots
     temporary.write_text("\n".join(lines))

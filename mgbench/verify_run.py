@@ -237,7 +237,12 @@ def open_writer(run: PreparedRun, specs: list[PolicySpec], needle: bool, out) ->
 def record_verify(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, required: float | None,
                   writer: RunWriter, on_progress: ProgressFn, on_split: SplitFn, probe=None) -> tuple[dict, bool]:
     """Decode, analyse and publish one verify run (or shard); (summary, whole run complete?)."""
-    summarize_run = lambda tables, records: summarize(run, specs, needle, required, tables, records)  # noqa: E731
+    def summarize_run(tables, records) -> dict:
+        summary = summarize(run, specs, needle, required, tables, records)
+        if run.gate is not None:
+            summary["gate"] = run.gate(summary, tables)
+        return summary
+
     if writer.finishing_only:
         return finish_run(writer, SCHEMAS, summarize_run, None)
     for index, records in verify_groups(lm, run, specs, needle, run.wanted(writer.done_groups()), on_progress,

@@ -1,0 +1,187 @@
+"""The determinism gate for CI: thresholds, the paired baseline test, JUnit, --json on every
+command, logs at full width, the GitHub step summary."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from helpers import measured_plain_varies
+from mgbench import gate
+from mgbench.cli import app
+
+runner = CliRunner()
+
+
+def test_sign_test_and_paired_test():
+    assert gate.sign_test_p(0, 0) == 1.0
+    assert gate.sign_test_p(7, 0) == pytest.approx(0.5 ** 7)
+    assert gate.sign_test_p(3, 3) > 0.5
+    steps = pd.DataFrame({"request_id": [1, 1, 2, 2], "batch_size": 4, "step": [0, 1, 0, 1],
+                          "flipped": [True, False, False, True]})
+    same = gate.paired_test(steps, steps, ["request_id", "batch_size", "step"], "flipped")
+    assert same["p_value"] == 1.0 and same["newly_bad"] == same["newly_good"] == 0 and same["pairs"] == 4
+    clean = steps.assign(flipped=False)
+    worse = gate.paired_test(steps, clean, ["request_id", "batch_size", "step"], "flipped")
+    assert worse["newly_bad"] == 2 and worse["p_value"] == pytest.approx(0.25)
+
+
+def test_threshold_failures_say_by_how_much():
+    thresholds = gate.Thresholds(require_determinism=1.0, max_flip_rate=0.01)
+    failures = gate.threshold_failures({"determinism": 0.75, "flip_rate": 0.02}, thresholds, "batch size 8")
+    assert [f["check"] for f in failures] == ["require-determinism", "max-flip-rate"]
+    assert failures[0]["by"] == pytest.approx(0.25) and failures[1]["by"] == pytest.approx(0.01)
+    assert "off by 25.00%" in gate.describe_failure(failures[0])
+    assert gate.threshold_failures({"determinism": 1.0, "flip_rate": 0.0}, thresholds) == []
+
+
+def test_help_examples_fit_an_80_column_terminal():
+    for command in app.registered_commands:
+        doc = command.callback.__doc__ or ""
+        examples = doc.split("Examples:")[1] if "Examples:" in doc else ""
+        for line in examples.splitlines():
+            assert len(line.strip()) <= 74, f"{command.callback.__name__}: {line.strip()}"
+
+
+def flips_args(folder, out, *extra):
+    return ["flips", "--model", str(folder), "--dataset", "gsm8k", "--limit", "8", "--batch-size", "8",
+            "--max-new-tokens", "24", "--out", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def base_run(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gate") / "base"
+    result = runner.invoke(app, flips_args(tiny_model_dir, out))
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_thresholds_exit_1_with_a_failing_junit_case(tiny_model_dir, tiny_probe, base_run, tmp_path):
+    summary = json.loads((base_run / "summary.json").read_text())
+    if tiny_probe.varies:
+        assert summary["determinism"] < 1.0, measured_plain_varies(tiny_probe)
+    strict = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "strict", "--require-determinism", "1.0",
+                                           "--junit", str(tmp_path / "strict.xml")))
+    failing = summary["determinism"] < 1.0
+    assert strict.exit_code == (1 if failing else 0), strict.output
+    junit = (tmp_path / "strict.xml").read_text()
+    assert ('failures="0"' not in junit) == failing and 'name="batch_size=8"' in junit
+    if failing:
+        assert "require-determinism needs >= 100.00%" in strict.stderr
+        gated = json.loads((tmp_path / "strict" / "summary.json").read_text())["gate"]
+        assert gated["passed"] is False and gated["failures"][0]["by"] == pytest.approx(1 - summary["determinism"])
+    lenient = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "lenient", "--require-determinism", "0",
+                                            "--max-flip-rate", "1", "--json"))
+    assert lenient.exit_code == 0, lenient.output
+    assert json.loads(lenient.stdout)["gate"]["passed"] is True
+
+
+def test_baseline_of_itself_passes_with_p_1(tiny_model_dir, base_run, tmp_path):
+    result = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "again", "--baseline", str(base_run),
+                                           "--junit", str(tmp_path / "j.xml"), "--json"))
+    assert result.exit_code == 0, result.output
+    tests = json.loads(result.stdout)["gate"]["baseline"]["tests"]
+    assert tests["flip_rate"]["p_value"] == 1.0 and tests["diverged"]["p_value"] == 1.0
+    assert tests["flip_rate"]["pairs"] == json.loads((base_run / "summary.json").read_text())["steps"]
+    assert 'name="baseline regression"' in (tmp_path / "j.xml").read_text()
+
+
+def plant_clean_baseline(base_run: Path, target: Path) -> Path:
+    """PLANTED BASELINE: the recorded run with every flip and divergence erased, as if an earlier
+    kernel stack had been batch-invariant. Labelled as such in its summary."""
+    shutil.copytree(base_run, target)
+    steps = pq.read_table(target / "steps.parquet")
+    steps = steps.set_column(steps.schema.get_field_index("flipped"), "flipped", pa.array([False] * len(steps)))
+    pq.write_table(steps, target / "steps.parquet")
+    sequences = pq.read_table(target / "sequences.parquet").to_pandas()
+    sequences["identical"] = True
+    sequences["first_divergence"] = None
+    schema = pq.read_schema(target / "sequences.parquet")
+    pq.write_table(pa.Table.from_pandas(sequences, schema=schema, preserve_index=False), target / "sequences.parquet")
+    summary = json.loads((target / "summary.json").read_text())
+    (target / "summary.json").write_text(json.dumps({**summary, "flips": 0, "planted": "clean baseline (test)"}))
+    return target
+
+
+def test_regression_against_a_cleaner_baseline_exits_1(tiny_model_dir, tiny_probe, base_run, tmp_path):
+    summary = json.loads((base_run / "summary.json").read_text())
+    if not tiny_probe.varies:
+        assert summary["flips"] == 0, "the probe found nothing varying here"
+    clean = plant_clean_baseline(base_run, tmp_path / "clean")
+    result = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "now", "--baseline", str(clean), "--json"))
+    # Exit 1 when the flips now are beyond chance against zero flips then (7 give p = 0.0078 < 0.01).
+    expected = 1 if summary["flips"] >= 7 else 0
+    assert result.exit_code == expected, f"{summary['flips']} flips; {result.output}"
+    if expected:
+        assert tiny_probe.varies
+        verdict = json.loads(result.stdout)["gate"]
+        assert "flip_rate" in verdict["baseline"]["regressed"]
+        assert verdict["baseline"]["tests"]["flip_rate"]["baseline_rate"] == 0.0
+        assert "regression against the baseline: flip rate" in result.stderr
+    if tiny_probe.varies:
+        assert summary["flips"] >= 7, f"{measured_plain_varies(tiny_probe)}: this check needs >= 7 flips to bite"
+
+
+def test_baseline_of_other_prompts_or_model_is_refused(tiny_model_dir, base_run, tmp_path):
+    other = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "o", "--seed", "3", "--baseline", str(base_run)))
+    assert other.exit_code == 2 and "is not the same audit" in other.stderr and "requests" in other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+    longer = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "l", "--max-new-tokens", "8",
+                                           "--baseline", str(base_run)))
+    assert longer.exit_code == 2 and "max_new_tokens" in longer.stderr
+    wrong_kind = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "w", "--baseline", str(tmp_path)))
+    assert wrong_kind.exit_code == 2 and "not a finished mgbench run directory" in wrong_kind.stderr
+
+
+def test_verify_baseline_of_itself_passes(tiny_model_dir, tmp_path):
+    args = ["verify", "--model", str(tiny_model_dir), "--dataset", "gsm8k", "--limit", "4", "--batch-sizes", "4",
+            "--max-new-tokens", "12", "--policy", "none"]
+    first = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])
+    assert first.exit_code == 0, first.output
+    second = runner.invoke(app, [*args, "--out", str(tmp_path / "b"), "--baseline", str(tmp_path / "a"), "--json"])
+    assert second.exit_code == 0, second.output
+    assert json.loads(second.stdout)["gate"]["baseline"]["tests"]["diverged"]["p_value"] == 1.0
+    other_policy = runner.invoke(app, [*args[:-1], "always", "--out", str(tmp_path / "c"), "--baseline",
+                                       str(tmp_path / "a")])
+    assert other_policy.exit_code == 2 and "policies" in other_policy.stderr
+
+
+def test_every_command_prints_json_and_logs_at_full_width(tiny_model_dir, base_run, tmp_path):
+    """--json: the summary alone on stdout. Piped output: no ellipsis, no cut header."""
+    outputs = {
+        "calibrate": ["calibrate", str(base_run), "--out", str(tmp_path / "cal"), "--json"],
+        "probe": ["probe", "--model", str(tiny_model_dir), "--rows", "2", "--out", str(tmp_path / "p"), "--json"],
+        "compare": ["compare", "--model", str(tiny_model_dir), "--dataset", "gsm8k", "--limit", "2", "--batch-size",
+                    "2", "--max-new-tokens", "6", "--repeats", "1", "--threshold", "0.05",
+                    "--out", str(tmp_path / "cmp"), "--json"],
+        "report": ["report", str(base_run), "--out", str(tmp_path / "rep"), "--json"],
+        "models": ["models", "--json"],
+        "datasets": ["datasets", "--json"],
+        "flips": flips_args(tiny_model_dir, tmp_path / "f", "--json"),
+    }
+    for name, args in outputs.items():
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, f"{name}: {result.output}"
+        json.loads(result.stdout)
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    piped = subprocess.run([sys.executable, "-m", "mgbench", "calibrate", str(base_run), "--out",
+                            str(tmp_path / "cal2")], capture_output=True, text=True, env=env)
+    assert piped.returncode == 0, piped.stderr
+    assert "…" not in piped.stdout and "trig@…" not in piped.stdout and "TAU min" in piped.stdout
+
+
+def test_github_step_summary_gets_the_run_section(tiny_model_dir, base_run, tmp_path, monkeypatch):
+    step_summary = tmp_path / "step-summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step_summary))
+    result = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "s", "--baseline", str(base_run)))
+    assert result.exit_code == 0, result.output
+    text = step_summary.read_text()
+    assert text.startswith("## flips: s") and "Determinism gate: PASS" in text and "![" not in text
