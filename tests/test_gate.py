@@ -116,18 +116,18 @@ def test_regression_against_a_cleaner_baseline_exits_1(tiny_model_dir, tiny_prob
     if not tiny_probe.varies:
         assert summary["flips"] == 0, "the probe found nothing varying here"
     clean = plant_clean_baseline(base_run, tmp_path / "clean")
-    result = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "now", "--baseline", str(clean), "--json"))
-    # Exit 1 when the flips now are beyond chance against zero flips then (7 give p = 0.0078 < 0.01).
-    expected = 1 if summary["flips"] >= 7 else 0
+    # A small audit: alpha 0.2 lets 3 new flips against none (p = 0.125) count as beyond chance.
+    result = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "now", "--baseline", str(clean), "--alpha", "0.2",
+                                           "--json"))
+    expected = 1 if gate.sign_test_p(summary["flips"], 0) < 0.2 else 0
     assert result.exit_code == expected, f"{summary['flips']} flips; {result.output}"
     if expected:
-        assert tiny_probe.varies
         verdict = json.loads(result.stdout)["gate"]
         assert "flip_rate" in verdict["baseline"]["regressed"]
         assert verdict["baseline"]["tests"]["flip_rate"]["baseline_rate"] == 0.0
         assert "regression against the baseline: flip rate" in result.stderr
     if tiny_probe.varies:
-        assert summary["flips"] >= 7, f"{measured_plain_varies(tiny_probe)}: this check needs >= 7 flips to bite"
+        assert summary["flips"] >= 3, f"{measured_plain_varies(tiny_probe)}: this check needs >= 3 flips to bite"
 
 
 def test_baseline_of_other_prompts_or_model_is_refused(tiny_model_dir, base_run, tmp_path):
