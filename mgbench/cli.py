@@ -335,7 +335,7 @@ def gate_lines(summary: dict) -> None:
     if gate["passed"]:
         tested = gate.get("baseline", {}).get("tests", {})
         against = "; ".join(f"{name} p = {t['p_value']:.3g}" for name, t in tested.items())
-        err_console.print(f"[green]PASS[/] determinism gate" + (f" (baseline: {against})" if against else ""),
+        err_console.print("[green]PASS[/] determinism gate" + (f" (baseline: {against})" if against else ""),
                           highlight=False)
 
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from helpers import RowCountPerturbedLinear, measured_plain_varies, plant_near_ties, random_prompts, tiny_llama
 from mgbench.cli import app
-from mgbench.engine.batch_invariant import RowForm, batch_invariant, chunk_sizes, decoding_mode, run_in_chunks
+from mgbench.engine.batch_invariant import batch_invariant, chunk_sizes, decoding_mode, run_in_chunks
 from mgbench.engine.probe import probe_model
 from mgbench.engine.runners import run_free, run_solo, run_teacher_forced
 

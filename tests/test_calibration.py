@@ -1,7 +1,6 @@
 """Calibration on synthetic step tables with known answers, edge cases, and the CLI on run dirs."""
 
 import json
-import math
 
 import numpy as np
 import pandas as pd
