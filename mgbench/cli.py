@@ -248,9 +248,9 @@ def probe_if_invariant(lm, run):
     """The probe a --batch-invariant run plans with (None otherwise), said in one line."""
     if lm is None or not run.options.batch_invariant:
         return None
-    from .probe_run import probe_for_run
+    from .probe_run import probe_for_run, probe_rows
 
-    with err_console.status(f"probing which ops vary on this machine ({max(2, max(run.options.batch_sizes))} rows)"):
+    with err_console.status(f"probing which ops vary on this machine ({probe_rows(max(run.options.batch_sizes))} rows)"):
         report = probe_for_run(lm, run)
     changed = len(report.plan.forms)
     line = (f"batch-invariant mode: per-row attention, {changed} varying modules in exact forms "
@@ -787,14 +787,13 @@ def _run_probe(options: RunOptions, rows: int, json_out: bool, out: Path) -> Non
 
     from . import report, results
     from .flips import prepare
-    from .probe_run import probe_prompt
-    from .engine.probe import probe_model
+    from .probe_run import probe_for_run
 
-    run = prepare(options)
+    run = prepare(options)  # its one batch size is --rows
     results.prepare_out_dir(out)
     lm = load_with_status(options)
     with err_console.status(f"probing one decode step over {rows} rows"):
-        found = probe_model(lm.model, probe_prompt(lm, run.config, run.requests), rows).to_dict()
+        found = probe_for_run(lm, run).to_dict()
     manifest = results.manifest("probe", {**asdict(options), "rows": rows}, lm.device,
                                 {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source})
     results.publish_run(out, {}, {"probe": found, "manifest": manifest})

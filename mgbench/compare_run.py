@@ -21,9 +21,8 @@ from .engine.batch_invariant import InvariancePlan, decoding_mode
 from .engine.policies import MarginGate, PolicySpec, StepContext
 from .engine.runners import run_free, run_solo, synchronize
 from .engine.stopwatch import Stopwatch
-from .engine.probe import probe_model
 from .flips import PreparedRun
-from .probe_run import probe_prompt, run_summary
+from .probe_run import probe_for_run, run_summary
 
 BREAKDOWN = ("gate", "decision_sync", "reference_forward", "cache_ops")
 
@@ -98,7 +97,7 @@ def run_compare(lm, run: PreparedRun, tau: float, unit: str, batch_size: int, re
                for s in range(0, len(order), batch_size)]
     configs = configurations(tau, unit)
     rows = []
-    probe = probe_model(model, probe_prompt(lm, run.config, run.requests), max(2, batch_size))
+    probe = probe_for_run(lm, run, batch_size)
     with torch.inference_mode():
         solos = {i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids) for i in order}
         reference = {i: solos[i].tokens.tolist() for i in order}

@@ -93,8 +93,8 @@ def summarize(run: PreparedRun, tables: dict[str, pa.Table], group_records: list
     }
 
 
-def summarize_with_gate(run: PreparedRun, tables: dict[str, pa.Table], group_records: list[dict]) -> dict:
-    summary = summarize(run, tables, group_records)
+def with_gate(run: PreparedRun, summary: dict, tables: dict[str, pa.Table]) -> dict:
+    """The summary, with the CI gate's verdict on it when the run has a gate (flips and verify)."""
     if run.gate is not None:
         summary["gate"] = run.gate(summary, tables)
     return summary
@@ -112,7 +112,7 @@ def record_flips(lm, run: PreparedRun, out: Path, on_progress: ProgressFn, on_sp
     decodes under the plan of `probe` (a ProbeReport of this model on this machine)."""
     options, config = run.options, run.config
     writer = writer or open_writer(run, out)
-    summarize_run = lambda tables, records: summarize_with_gate(run, tables, records)  # noqa: E731
+    summarize_run = lambda tables, records: with_gate(run, summarize(run, tables, records), tables)  # noqa: E731
     if writer.finishing_only:
         return finish_run(writer, SCHEMAS, summarize_run, None)
     prompts = [data.encode(lm.tokenizer, config, request.text) for request in run.requests]

@@ -78,15 +78,22 @@ def sign_test_p(worse: int, better: int) -> float:
     return float(binomtest(worse, worse + better, 0.5, alternative="greater").pvalue)
 
 
+def _pairs(current: pd.DataFrame, baseline: pd.DataFrame, keys: list[str], flag: str, carry: tuple = ()):
+    """Rows of both runs matched on `keys`: `flag` now, `flag`_baseline then, and `carry` from now."""
+    return current[keys + [flag, *carry]].merge(baseline[keys + [flag]], on=keys, suffixes=("", "_baseline"))
+
+
+def _sign_stats(pairs: pd.DataFrame, flag: str, rows: int) -> dict:
+    now, then = pairs[flag].astype(bool), pairs[f"{flag}_baseline"].astype(bool)
+    worse, better = int((now & ~then).sum()), int((~now & then).sum())
+    n = len(pairs)
+    return {"pairs": n, "rate": float(now.mean()) if n else None, "baseline_rate": float(then.mean()) if n else None,
+            "newly_bad": worse, "newly_good": better, "p_value": sign_test_p(worse, better), "unpaired": rows - n}
+
+
 def paired_test(current: pd.DataFrame, baseline: pd.DataFrame, keys: list[str], flag: str) -> dict:
     """Paired regression test of a boolean `flag` (True = bad) over rows matched on `keys`."""
-    merged = current[keys + [flag]].merge(baseline[keys + [flag]], on=keys, suffixes=("", "_baseline"))
-    now, then = merged[flag].astype(bool), merged[f"{flag}_baseline"].astype(bool)
-    worse, better = int((now & ~then).sum()), int((~now & then).sum())
-    n = len(merged)
-    return {"pairs": n, "rate": float(now.mean()) if n else None, "baseline_rate": float(then.mean()) if n else None,
-            "newly_bad": worse, "newly_good": better, "p_value": sign_test_p(worse, better),
-            "unpaired": len(current) - n}
+    return _sign_stats(_pairs(current, baseline, keys, flag), flag, len(current))
 
 
 def regression(current_steps: pd.DataFrame | None, current_sequences: pd.DataFrame, baseline_steps: pd.DataFrame | None,
@@ -100,10 +107,9 @@ def regression(current_steps: pd.DataFrame | None, current_sequences: pd.DataFra
     sequences = current_sequences.assign(diverged=~current_sequences["identical"].astype(bool))
     base = baseline_sequences.assign(diverged=~baseline_sequences["identical"].astype(bool))
     keys = group + ["request_id", "batch_size"]
-    result["tests"]["diverged"] = paired_test(sequences, base, keys, "diverged")
-    newly = sequences[keys + ["diverged", "first_divergence"]].merge(base[keys + ["diverged"]], on=keys,
-                                                                     suffixes=("", "_baseline"))
-    newly = newly[newly["diverged"] & ~newly["diverged_baseline"]].head(5)
+    pairs = _pairs(sequences, base, keys, "diverged", ("first_divergence",))
+    result["tests"]["diverged"] = _sign_stats(pairs, "diverged", len(sequences))
+    newly = pairs[pairs["diverged"] & ~pairs["diverged_baseline"]].head(5)
     result["newly_diverged"] = [{**{k: (r[k].item() if hasattr(r[k], "item") else r[k]) for k in keys},
                                  "first_divergence": None if pd.isna(r["first_divergence"]) else int(r["first_divergence"])}
                                 for _, r in newly.iterrows()]
@@ -124,17 +130,6 @@ def regression_failures(result: dict) -> list[dict]:
                          f"one-sided exact p = {test['p_value']:.3g} < alpha {result['alpha']})"
                          + (f"; newly diverged: {newly}" if newly else "")})
     return failures
-
-
-def baseline_mismatch(expected: dict, recorded: dict) -> list[str]:
-    """Keys whose values differ between this run's identity and the baseline's."""
-    return [f"{key} ({_short(recorded.get(key))} in the baseline, {_short(value)} here)"
-            for key, value in expected.items() if recorded.get(key) != value]
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 48 else text[:45] + "..."
 
 
 @dataclass
@@ -181,10 +176,13 @@ def check_baseline(baseline: Baseline, identity: dict) -> None:
     options = {"batch_invariant": False, **baseline.manifest.get("options", {})}
     recorded = {key: options.get(key) for key in identity}
     recorded["requests"] = sorted(int(r) for r in baseline.sequences["request_id"].unique())
+    from .parts import differences
+
     identity = json.loads(json.dumps(identity))  # tuples as lists, as the manifest holds them
-    differing = baseline_mismatch(identity, recorded)
+    differing = differences(recorded, identity)  # "key baseline -> this run"
     if differing:
-        raise UserError(f"--baseline {baseline.path} is not the same audit: {'; '.join(differing)}")
+        raise UserError(f"--baseline {baseline.path} is not the same audit (baseline -> this run): "
+                        f"{'; '.join(differing)}")
 
 
 def check_baseline_prompts(baseline: Baseline, prompts: dict[int, list[int]]) -> None:

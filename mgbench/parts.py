@@ -53,13 +53,14 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """'key old -> new' for every key whose value differs (nested dicts as dotted keys)."""
     keys = sorted(set(old) | set(new))
     lines = []
     for key in keys:
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            lines += _differences(a, b, f"{prefix}{key}.")
+            lines += differences(a, b, f"{prefix}{key}.")
         elif a != b:
             lines.append(f"{prefix}{key} {_short(a)} -> {_short(b)}")
     return lines
@@ -105,7 +106,7 @@ class RunWriter:
             raise UserError(f"shard {self.shard} of {self.out} is already complete; choose another --out or shard")
         for document in results.shard_documents(self.out):
             if document.get("fingerprint") != self.fingerprint:
-                changed = "; ".join(_differences(document.get("fingerprint") or {}, self.fingerprint)[:3])
+                changed = "; ".join(differences(document.get("fingerprint") or {}, self.fingerprint)[:3])
                 raise UserError(f"--out {self.out} holds shards of a different run ({changed}); "
                                 "use the same options for every shard, or another --out")
 
@@ -124,7 +125,7 @@ class RunWriter:
         if done:
             recorded = json.loads(record.read_text()) if record.exists() else {}
             if recorded != self.fingerprint:
-                changed = "; ".join(_differences(recorded, self.fingerprint)[:3])
+                changed = "; ".join(differences(recorded, self.fingerprint)[:3])
                 raise UserError(f"--resume: the interrupted run in {self.staging} used other options ({changed}); "
                                 "rerun with its options, or delete that folder to start over")
         _write_json(self.fingerprint, record)

@@ -21,14 +21,19 @@ def probe_prompt(lm, config: data.DatasetConfig, requests: list[data.Request]) -
     return torch.tensor(longest, dtype=torch.long, device=lm.device)
 
 
-def probe_for_run(lm, run) -> ProbeReport:
-    """The probe a batch-invariant run plans with: as many rows as its largest batch (at least 2)."""
-    rows = max(2, max(run.options.batch_sizes))
+def probe_rows(batch_size: int) -> int:
+    """Rows of the probe that plans batches up to `batch_size` (a probe needs at least 2)."""
+    return max(2, batch_size)
+
+
+def probe_for_run(lm, run, batch_size: int | None = None) -> ProbeReport:
+    """Probe this run's model on its longest prompt, with as many rows as its largest batch (or
+    `batch_size`, for a run whose batches shrank)."""
+    rows = probe_rows(batch_size if batch_size is not None else max(run.options.batch_sizes))
     return probe_model(lm.model, probe_prompt(lm, run.config, run.requests), rows)
 
 
 def run_summary(report: ProbeReport) -> dict:
     """What a run's summary says of its batch-invariant mode."""
     return {"exact_on_probe": report.exact, "plan": report.plan.describe(),
-            "probe_step_increment": report.to_dict()["invariant_step_increment"],
-            "machine": report.machine}
+            "probe_step_increment": report.step_increment, "machine": report.machine}

@@ -18,7 +18,7 @@ from .audit import (ProgressFn, batch_id_base, eos_token_ids, first_divergence, 
 from .engine.batch_invariant import InvariancePlan, decoding_mode
 from .engine.policies import PolicySpec
 from .engine.runners import row_prefills, run_free
-from .flips import PreparedRun, fingerprint
+from .flips import PreparedRun, fingerprint, with_gate
 from .parts import RunWriter, finish_run
 from .oom import SplitFn, recording_splits, run_splitting_on_oom
 from .results import PLACEMENT_FIELDS, SCHEMA_KEY, TOKEN_IDS
@@ -238,10 +238,7 @@ def record_verify(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, r
                   writer: RunWriter, on_progress: ProgressFn, on_split: SplitFn, probe=None) -> tuple[dict, bool]:
     """Decode, analyse and publish one verify run (or shard); (summary, whole run complete?)."""
     def summarize_run(tables, records) -> dict:
-        summary = summarize(run, specs, needle, required, tables, records)
-        if run.gate is not None:
-            summary["gate"] = run.gate(summary, tables)
-        return summary
+        return with_gate(run, summarize(run, specs, needle, required, tables, records), tables)
 
     if writer.finishing_only:
         return finish_run(writer, SCHEMAS, summarize_run, None)

@@ -12,6 +12,7 @@ that is the batch-invariant mode's plan, checked end to end against solo decodin
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -60,6 +61,11 @@ class ProbeReport:
     def exact(self) -> bool:
         return not self.invariant_rows_differing
 
+    @property
+    def step_increment(self) -> float | None:
+        """Extra time of a batch-invariant step over a plain one, on the probe batch."""
+        return self.invariant_step_ms / self.plain_step_ms - 1 if self.plain_step_ms else None
+
     def to_dict(self) -> dict:
         return {
             "kind": "mgbench.probe", "machine": self.machine, "rows": self.rows, "pad_lens": self.pad_lens,
@@ -67,7 +73,7 @@ class ProbeReport:
             "plain_rows_differing": self.plain_rows_differing,
             "invariant_rows_differing": self.invariant_rows_differing,
             "plain_step_ms": self.plain_step_ms, "invariant_step_ms": self.invariant_step_ms,
-            "invariant_step_increment": self.invariant_step_ms / self.plain_step_ms - 1 if self.plain_step_ms else None,
+            "invariant_step_increment": self.step_increment,
             "varying_op_rows": self.varying_op_rows,
             "plan": self.plan.describe(), "findings": [asdict(f) for f in self.findings], "seconds": self.seconds,
         }
@@ -269,22 +275,21 @@ def probe_model(model, prompt: torch.Tensor, rows: int = 16) -> ProbeReport:
         findings.append(OpFinding("argmax", "greedy token", 1, argmax_ok, 0.0, [] if argmax_ok else [rows], "rows"))
         plan = InvariancePlan(forms)
 
-        def invariant_step():
+        def batched_step(mode):
+            """One batched step from fresh caches, inside `mode()` (plain or batch-invariant)."""
             cache, mask, _ = _assembled(model, prefills)
-            with batch_invariant(model, pads, plan):
+            with mode():
                 return decode_step(model, cache, tokens, positions, mask)[0]
 
-        def plain_step():
-            cache, mask, _ = _assembled(model, prefills)
-            return decode_step(model, cache, tokens, positions, mask)[0]
-
-        invariant = invariant_step()
+        plain_mode, invariant_mode = nullcontext, lambda: batch_invariant(model, pads, plan)
+        invariant = batched_step(invariant_mode)
         invariant_differing = (~_equal_rows(invariant, solo)).nonzero().flatten().tolist()
         findings.append(OpFinding("decode step", "plain batched vs solo logits", 1, not plain_differing,
                                   _max_diff(plain, solo), sorted({pads[r] for r in plain_differing}), "pad"))
         findings.append(OpFinding("decode step", "batch-invariant mode vs solo logits", 1, not invariant_differing,
                                   _max_diff(invariant, solo), sorted({pads[r] for r in invariant_differing}), "pad",
                                   "the plan above"))
-        plain_ms, invariant_ms = _time_ms(plain_step, device), _time_ms(invariant_step, device)
+        plain_ms = _time_ms(lambda: batched_step(plain_mode), device)
+        invariant_ms = _time_ms(lambda: batched_step(invariant_mode), device)
     return ProbeReport(machine_facts(device), rows, pads, findings, plan, plain_differing, invariant_differing,
                        sorted(varying_rows | attention_rows), plain_ms, invariant_ms, time.perf_counter() - started)
