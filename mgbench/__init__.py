@@ -3,4 +3,4 @@
 __version__ = "0.1.0"
 
 # Bumped whenever a column of steps.parquet / sequences.parquet changes meaning or type.
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: steps gained method and logprob_drift; black-box runs leave unmeasurable columns null

@@ -66,6 +66,23 @@ def batch_pad_lengths(sequences: pd.DataFrame) -> pd.DataFrame:
     return ordered.groupby("batch_id").agg(batch_size=("batch_size", "first"), pad_lens=("pad_len", list)).reset_index()
 
 
+def step_method(steps: pd.DataFrame) -> str | None:
+    """How the run compared steps with solo ("teacher-forced", "first-divergence"; "mixed" for
+    concatenated runs of both engines, None when there are no steps)."""
+    methods = sorted(steps["method"].dropna().unique()) if "method" in steps else []
+    return methods[0] if len(methods) == 1 else ("mixed" if methods else None)
+
+
+def drift_figures(steps: pd.DataFrame) -> dict:
+    """Logprob drift on the steps where solo and batched emit the same token: batch variance that
+    has not (yet) flipped a token. Share of those steps whose top-k logprobs differ, and the max."""
+    agreeing = steps.loc[~steps["flipped"], "logprob_drift"].dropna()
+    differing = int((agreeing > 0).sum())
+    return {"drift_steps": int(len(agreeing)), "drift_steps_differing": differing,
+            "drift_share": differing / len(agreeing) if len(agreeing) else None,
+            "max_logprob_drift": float(agreeing.max()) if len(agreeing) else None}
+
+
 def summarize_flips(steps: pd.DataFrame, sequences: pd.DataFrame) -> dict:
     """The headline figures of a flips run (summary.json and the terminal report)."""
     flips = int(steps["flipped"].sum())
@@ -77,6 +94,7 @@ def summarize_flips(steps: pd.DataFrame, sequences: pd.DataFrame) -> dict:
         "sequences": int(len(sequences)),
         "sequences_diverged": diverged,
         "determinism": 1 - diverged / len(sequences) if len(sequences) else None,
+        **drift_figures(steps),
     }
     for column, unit in (("margin", "logit"), ("margin_ulp", "ulp")):
         quantiles = margin_quantiles(steps, column)

@@ -9,33 +9,18 @@ one group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
 from .config import RunOptions
+from .grouping import AuditRecords, ProgressFn, batch_id_base, plan_groups
 from .data import Request
+from .divergence import first_divergence
 from .engine.batch_invariant import InvariancePlan, decoding_mode
 from .engine.runners import run_free, run_solo, run_teacher_forced
 from .oom import SplitFn, recording_splits, run_splitting_on_oom
-from .sharding import groups_of
-
-# on_progress(phase, n): "total" first (requests this process will decode), then "solo" and
-# "batched" as requests finish each pass.
-ProgressFn = Callable[[str, int], None]
-
-
-@dataclass
-class AuditRecords:
-    steps: list[dict] = field(default_factory=list)  # one dict of equal-length columns per batch row
-    sequences: list[dict] = field(default_factory=list)  # one dict per (request, batch size)
-    solo_tokens: int = 0
-    solo_seconds: float = 0.0
-    batched_tokens: dict[int, int] = field(default_factory=dict)
-    batched_seconds: dict[int, float] = field(default_factory=dict)
-    oom_splits: list[dict] = field(default_factory=list)  # batches retried smaller after out-of-memory
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -48,35 +33,6 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 
 def pad_token_id(tokenizer, eos_ids: set[int]) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
-
-
-def first_divergence(reference: list[int], candidate: list[int]) -> int | None:
-    """Index of the first differing token; a length difference counts at the shorter end."""
-    for index, (a, b) in enumerate(zip(reference, candidate)):
-        if a != b:
-            return index
-    return None if len(reference) == len(candidate) else min(len(reference), len(candidate))
-
-
-def order_requests(prompts: list[list[int]], sort_by_length: bool) -> list[int]:
-    """Indices in decoding order: arrival order, or longest prompt first to shrink padding."""
-    order = list(range(len(prompts)))
-    if sort_by_length:
-        order.sort(key=lambda i: (-len(prompts[i]), i))
-    return order
-
-
-def plan_groups(prompts: list[list[int]], options: RunOptions) -> list[list[int]]:
-    """Request indices per group, in decoding order. A group is decoded alone once, then split
-    into batches of every batch size; groups are also the unit of resuming and sharding."""
-    return groups_of(order_requests(prompts, options.sort_by_length), max(options.batch_sizes))
-
-
-def batch_id_base(group_index: int, group_size: int, batches_per_member: int) -> int:
-    """First batch id of a group. Each batch holds at least one request, so a group never uses
-    more than group_size * batches_per_member ids (out-of-memory splits included), and ids stay
-    the same whichever process decodes the group."""
-    return group_index * group_size * batches_per_member
 
 
 def solo_groups(model, prompts: list[list[int]], groups: list[list[int]], wanted: Callable[[int], bool],
@@ -161,6 +117,7 @@ def _append_rows(records, request, prompt, dataset, batch_id, row, batch_size, p
             "row": np.full(steps, row, dtype=np.int32),
             "batch_size": np.full(steps, batch_size, dtype=np.int32),
             "pad_len": np.full(steps, pad_len, dtype=np.int32),
+            "method": np.full(steps, "teacher-forced"),
             "step": np.arange(steps, dtype=np.int32),
             **forced_row,
         }

@@ -62,10 +62,14 @@ def calibrate(calibration_steps: pd.DataFrame, transfer: dict[str, pd.DataFrame]
     for name, table in transfer.items():
         calibration.validate_steps(table, f"transfer {name}")
     model = single_model([steps, *transfer.values()])
-    per_unit = {unit: calibration.calibrate_unit(steps, unit, options.safety, options.confidence)
-                for unit in calibration.UNITS}
+    units = [u for u in calibration.measured_units(steps)
+             if all(u in calibration.measured_units(t) for t in transfer.values())]
+    if options.unit not in units:
+        raise UserError(f"--unit {options.unit}: the traces have no {calibration.UNITS[options.unit]} column values "
+                        "(endpoint runs: an API gives logprobs, not the raw top-1 logit an ulp needs); use --unit logit")
+    per_unit = {unit: calibration.calibrate_unit(steps, unit, options.safety, options.confidence) for unit in units}
     chosen = per_unit[options.unit]
-    curves = pd.concat([calibration.curve(steps, unit) for unit in calibration.UNITS], ignore_index=True)
+    curves = pd.concat([calibration.curve(steps, unit) for unit in units], ignore_index=True)
     transfer_rows = []
     for unit, figures in per_unit.items():
         if figures["tau"] is None or not transfer:

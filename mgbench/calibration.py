@@ -46,12 +46,20 @@ class SafetyRule:
         return f"{self.kind}{self.value:g}"
 
 
+def measured_units(steps: pd.DataFrame) -> list[str]:
+    """Units whose margin column the run measured: an endpoint run's ulp column is all null (an
+    API gives logprobs, not the top-1 logit the ulp needs)."""
+    return [unit for unit, column in UNITS.items() if column in steps and steps[column].notna().any()]
+
+
 def validate_steps(steps: pd.DataFrame, source: str) -> pd.DataFrame:
     missing = [c for c in REQUIRED_COLUMNS if c not in steps.columns]
     if missing:
         raise UserError(f"{source}: steps table lacks columns {', '.join(missing)}")
     for column in ("margin", "margin_ulp"):
         values = steps[column].to_numpy(dtype=np.float64)
+        if column == "margin_ulp" and len(values) and np.isnan(values).all():
+            continue  # not measured (an endpoint run); calibrate refuses the ulp unit for it
         if np.isnan(values).any():
             raise UserError(f"{source}: column {column} has {int(np.isnan(values).sum())} NaN values")
         if (values < 0).any():

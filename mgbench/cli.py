@@ -116,6 +116,12 @@ def flips(
     junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML: one case per dataset and batch size, and the baseline test."),
     baseline: Optional[Path] = BaselineOpt,
     alpha: float = AlphaOpt,
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="Audit an OpenAI-compatible server at this base URL (e.g. http://127.0.0.1:8000/v1) instead of the in-process engine; --model then names the tokenizer."),
+    served_model: Optional[str] = typer.Option(None, "--served-model", help="--endpoint: the model name the server knows (default: the one /v1/models lists)."),
+    top_logprobs: Optional[int] = typer.Option(None, "--top-logprobs", help="--endpoint: top-k logprobs asked per token (margins, drift); default 5."),
+    request_timeout: Optional[float] = typer.Option(None, "--request-timeout", help="--endpoint: seconds to wait for one completion; default 300."),
+    needle: bool = typer.Option(False, "--needle", help="--endpoint: send each audited request among B-1 filler requests."),
+    label: Optional[str] = typer.Option(None, "--label", help="The engine's name in reports (e.g. 'vLLM eager'); default: the server and its version, or in-process."),
     json_out: bool = JsonOpt,
     debug: bool = DebugOpt,
 ) -> None:
@@ -123,7 +129,9 @@ def flips(
 
     Teacher-forced batched decoding (fed the solo tokens) counts **flips** (batched argmax !=
     solo argmax) with their top-1/top-2 margins and K/V perturbation; free-running batched
-    decoding measures sequence-level determinism. Writes steps.parquet, sequences.parquet,
+    decoding measures sequence-level determinism. With --endpoint, a served model is audited as
+    a black box: solo, concurrent batches, solo again; steps up to the first divergence, margins
+    and drift from top-k logprobs. Writes steps.parquet, sequences.parquet,
     summary.json and manifest.json. Exit codes: 0 ok, 1 a --require-determinism,
     --max-flip-rate or --baseline check failed, 2 bad input.
 
@@ -151,9 +159,20 @@ def flips(
 
         torchrun --nproc-per-node 8 -m mgbench flips --model llama-3.1-8b \\
             --limit 512 --out runs/m8
+
+        # a served model (vLLM, SGLang, TGI): same prompts, as token ids
+
+        mgbench flips --endpoint http://127.0.0.1:8000/v1 --limit 32 \\
+            --batch-size 8 --max-new-tokens 64 --label "vLLM eager"
     """
     with user_errors(debug):
         sizes = parse_batch_sizes(batch_sizes) if batch_sizes else (batch_size,)
+        endpoint_options = endpoint_flips_options(
+            endpoint, served_model, top_logprobs, request_timeout, needle, label,
+            {"--prefill": prefill != "alone" and f"--prefill {prefill}", "--dtype": dtype != "bf16" and f"--dtype {dtype}",
+             "--device": device != "auto" and f"--device {device}", "--attn": attn != "sdpa" and f"--attn {attn}",
+             "--tp-plan": tp_plan is not None and "--tp-plan", "--batch-invariant": batch_invariant and "--batch-invariant",
+             "--shard": shard is not None and "--shard"})
         options = RunOptions(
             model=model, dataset=dataset, limit=limit, seed=seed, batch_sizes=sizes,
             max_new_tokens=max_new_tokens, prefill=prefill, sort_by_length=sort_by_length,
@@ -163,8 +182,41 @@ def flips(
 
         spec = GateSpec(Thresholds(require_determinism, max_flip_rate), baseline, alpha)
         placement = Placement.resolve(shard, resume, tp_plan, out)
-        code = _run_flips(options, placement, out or default_out("flips", model, dataset), spec, junit, json_out)
+        code = _run_flips(options, placement, out or default_out("flips", model, dataset), spec, junit, json_out,
+                          endpoint_options, label)
     raise typer.Exit(code)
+
+
+# Why each in-process option cannot apply to a black box.
+BLACK_BOX_REASONS = {
+    "--prefill": "the server schedules its own prefill",
+    "--dtype": "the server decodes in the dtype it was started with",
+    "--device": "the server decodes on its own device",
+    "--attn": "the server picks its own attention kernels",
+    "--tp-plan": "the server shards the model itself",
+    "--batch-invariant": "it patches the in-process model (a server has its own switch, e.g. VLLM_BATCH_INVARIANT=1)",
+    "--shard": "one client audits a server; several would change the concurrency it sees",
+}
+
+
+def endpoint_flips_options(endpoint, served_model, top_logprobs, request_timeout, needle, label, in_process: dict):
+    """EndpointOptions for --endpoint (None without it); the in-process options given
+    (`in_process`: option -> the text given, or False) refused with the reason."""
+    from .endpoint.client import EndpointOptions
+
+    if endpoint is None:
+        given = [name for name, value in (("--served-model", served_model), ("--top-logprobs", top_logprobs),
+                                          ("--request-timeout", request_timeout), ("--needle", needle or None))
+                 if value is not None]
+        if given:
+            extra = " (in-process needle batches: `mgbench verify --needle`)" if "--needle" in given else ""
+            raise UserError(f"{', '.join(given)} only apply with --endpoint URL{extra}")
+        return None
+    for option, given in in_process.items():
+        if given:
+            raise UserError(f"{given} cannot apply to --endpoint: {BLACK_BOX_REASONS[option]}")
+    return EndpointOptions(endpoint, served_model, 5 if top_logprobs is None else top_logprobs,
+                           300.0 if request_timeout is None else request_timeout, needle, label)
 
 
 def rank_device(device: str) -> str:
@@ -228,18 +280,21 @@ def warn_split(batch_size: int, half: int) -> None:
 
 
 @contextmanager
-def pass_progress(solo_label: str, batched_label: str, requests: int, batches_per_request: int):
-    """Bars for the solo and the batched passes; yields the ProgressFn that drives them."""
+def pass_progress(solo_label: str, batched_label: str, requests: int, batches_per_request: int,
+                  repeat_label: str | None = None):
+    """Bars for the solo, the batched and (an endpoint's) solo-repeat passes; yields the
+    ProgressFn that drives them."""
     with progress_bar() as progress:
-        solo = progress.add_task(solo_label, total=requests)
-        batched = progress.add_task(batched_label, total=requests * batches_per_request)
+        per_request = {"solo": 1, "batched": batches_per_request, **({"solo-repeat": 1} if repeat_label else {})}
+        labels = {"solo": solo_label, "batched": batched_label, "solo-repeat": repeat_label}
+        tasks = {phase: progress.add_task(labels[phase], total=requests * k) for phase, k in per_request.items()}
 
         def advance(phase: str, n: int) -> None:
             if phase == "total":  # what is left to decode (this shard, groups not yet committed)
-                progress.update(solo, total=n)
-                progress.update(batched, total=n * batches_per_request)
+                for name, k in per_request.items():
+                    progress.update(tasks[name], total=n * k)
             else:
-                progress.advance(solo if phase == "solo" else batched, n)
+                progress.advance(tasks[phase], n)
 
         yield advance
 
@@ -264,14 +319,27 @@ def probe_if_invariant(lm, run):
     return report
 
 
-def record_with_progress(lm, run, out: Path, writer=None) -> tuple[dict, bool]:
-    """One flips recording with progress bars for its solo and batched passes."""
+def in_process_engine(lm, run, label: str | None = None):
+    """The in-process engine on a loaded model (None: a shard only finishing, nothing to decode)."""
+    if lm is None:
+        return None
+    from .engines import InProcessEngine
+
+    engine = InProcessEngine(lm, probe_if_invariant(lm, run))
+    engine.label = label or engine.label
+    return engine
+
+
+def record_with_progress(engine, run, out: Path, writer=None) -> tuple[dict, bool]:
+    """One flips recording with progress bars for its passes (an endpoint's solo repeat too)."""
     from .flips import record_flips
 
-    probe = probe_if_invariant(lm, run)
-    with pass_progress(f"{run.config.name}: solo (batch size 1)", f"{run.config.name}: batched (forced + free)",
-                       len(run.requests), len(run.options.batch_sizes)) as advance:
-        return record_flips(lm, run, out, advance, warn_split, writer, probe)
+    name = run.config.name
+    batched = "batched (concurrent)" if run.endpoint is not None else "batched (forced + free)"
+    with pass_progress(f"{name}: solo (batch size 1)", f"{name}: {batched}", len(run.requests),
+                       len(run.options.batch_sizes),
+                       f"{name}: solo again" if run.endpoint is not None else None) as advance:
+        return record_flips(engine, run, out, advance, warn_split, writer)
 
 
 def shard_status(placement: Placement, out: Path, complete: bool) -> None:
@@ -339,20 +407,41 @@ def gate_lines(summary: dict) -> None:
                           highlight=False)
 
 
-def _run_flips(options: RunOptions, placement: Placement, out: Path, spec, junit, json_out: bool) -> int:
+def open_engine(options: RunOptions, run, endpoint_options, label: str | None):
+    """The engine a flips run decodes through: the server at --endpoint, or the model in process."""
+    if endpoint_options is None:
+        return in_process_engine(load_with_status(options), run, label)
+    from .endpoint.engine import EndpointEngine
+    from .models import load_tokenizer
+
+    tokenizer, source = load_tokenizer(options.model)
+    with err_console.status(f"connecting to {endpoint_options.base}"):
+        engine = EndpointEngine.open(endpoint_options, tokenizer, source, run)
+    info = engine.info
+    err_console.print(f"endpoint: {engine.label}, model {info.served_model!r}, prompts as {info.prompt_format}"
+                      + (f" ({'; '.join(info.notes)})" if info.notes else ""), highlight=False)
+    return engine
+
+
+def _run_flips(options: RunOptions, placement: Placement, out: Path, spec, junit, json_out: bool,
+               endpoint_options=None, label: str | None = None) -> int:
     # Imported here so that `--help` and input errors answer without loading torch.
     from . import analysis, data, gate, report, results
     from .flips import open_writer, prepare
     from .junit import flips_junit, write_junit
 
-    run = prepare(options, placement.shard, placement.resume)
+    run = prepare(options, placement.shard, placement.resume, endpoint_options)
     baseline = attach_gate(run, spec, "flips")
     with output_dir(placement, out) as target, open_writer(run, target) as writer:
-        lm = None if writer.finishing_only else load_with_status(options)
-        if baseline is not None and lm is not None:
-            gate.check_baseline_prompts(baseline, {r.request_id: data.encode(lm.tokenizer, run.config, r.text)
-                                                   for r in run.requests})
-        summary, complete = record_with_progress(lm, run, target, writer)
+        engine = None if writer.finishing_only else open_engine(options, run, endpoint_options, label)
+        try:
+            if baseline is not None and engine is not None:
+                gate.check_baseline_prompts(baseline, {r.request_id: data.encode(engine.tokenizer, run.config, r.text)
+                                                       for r in run.requests})
+            summary, complete = record_with_progress(engine, run, target, writer)
+        finally:
+            if engine is not None:
+                engine.close()
     if not placement.writes:
         return 0
     sequences = results.read_own_table(out, "sequences", results.SEQUENCES_SCHEMA, placement.shard).to_pandas()
@@ -441,7 +530,7 @@ def _run_calibrate(runs, record_options, options, transfer_items, require_flips,
         with open_writer(run, folder) as writer:
             if "lm" not in loaded:
                 loaded["lm"] = load_with_status(opts)
-            record_with_progress(loaded["lm"], run, folder, writer)
+            record_with_progress(in_process_engine(loaded["lm"], run), run, folder, writer)
 
     def is_run(item: str) -> bool:  # a run directory or steps.parquet; anything else names a dataset
         return Path(item).is_dir() or Path(item).suffix == ".parquet"

@@ -16,7 +16,9 @@ import pandas as pd
 import torch
 
 from . import data
-from .audit import ProgressFn, eos_token_ids, first_divergence, order_requests, pad_token_id
+from .audit import eos_token_ids, pad_token_id
+from .grouping import ProgressFn, order_requests
+from .divergence import first_divergence
 from .engine.batch_invariant import InvariancePlan, decoding_mode
 from .engine.policies import MarginGate, PolicySpec, StepContext
 from .engine.runners import run_free, run_solo, synchronize

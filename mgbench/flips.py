@@ -13,7 +13,7 @@ from typing import Callable
 import pyarrow as pa
 
 from . import analysis, data, results
-from .audit import AuditRecords, ProgressFn, audit_groups
+from .grouping import AuditRecords, ProgressFn
 from .config import RunOptions
 from .oom import SplitFn
 from .parts import RunWriter, finish_run, owned_groups
@@ -33,26 +33,29 @@ class PreparedRun:
     owned: frozenset[int] = frozenset({0})  # group indices this shard decodes
     # The CI gate's verdict on the finished run's (summary, tables), written into the summary.
     gate: Callable[[dict, dict[str, pa.Table]], dict] | None = None
+    endpoint: object | None = None  # EndpointOptions when a served model is audited (else in-process)
+    engine_label: str | None = None  # set once the engine is open (summaries name it)
 
     def wanted(self, done: set[int]) -> Callable[[int], bool]:
         """Groups still to decode here: this shard's, less those an interrupted run committed."""
         return lambda group: group in self.owned and group not in done
 
 
-def prepare(options: RunOptions, shard: Shard = Shard(), resume: bool = False) -> PreparedRun:
-    """Everything that can fail on bad input, checked before a model is loaded."""
+def prepare(options: RunOptions, shard: Shard = Shard(), resume: bool = False, endpoint=None) -> PreparedRun:
+    """Everything that can fail on bad input, checked before a model is loaded or a server contacted."""
     config = data.load_config(options.dataset)
     requests = data.select_requests(config, data.read_records(config), options.limit, options.seed)
     # Groups are cut from the requests by the largest batch size, whatever their order.
     owned = frozenset(owned_groups(math.ceil(len(requests) / max(options.batch_sizes)), shard))
     return PreparedRun(options, config, requests, options.max_new_tokens or config.max_new_tokens, shard, resume,
-                       owned)
+                       owned, endpoint=endpoint)
 
 
 def fingerprint(command: str, run: PreparedRun, extra: dict | None = None) -> dict:
     """What must not change between an interrupted run and its --resume, or between shards."""
+    endpoint = {"endpoint": run.endpoint.fingerprint()} if run.endpoint is not None else {}
     return {"command": command, "options": {**asdict(run.options), "max_new_tokens": run.max_new_tokens},
-            "requests": [r.request_id for r in run.requests], **(extra or {})}
+            "requests": [r.request_id for r in run.requests], **endpoint, **(extra or {})}
 
 
 def group_record(records: AuditRecords) -> dict:
@@ -62,6 +65,7 @@ def group_record(records: AuditRecords) -> dict:
         "batched_tokens": {str(b): n for b, n in records.batched_tokens.items()},
         "batched_seconds": {str(b): s for b, s in records.batched_seconds.items()},
         "oom_splits": records.oom_splits,
+        **records.extra,
     }
 
 
@@ -76,21 +80,39 @@ def summarize(run: PreparedRun, tables: dict[str, pa.Table], group_records: list
             tokens[b] = tokens.get(b, 0) + n
             seconds[b] = seconds.get(b, 0.0) + record["batched_seconds"][b]
     batched_seconds = sum(seconds.values())
+    steps = tables["steps"].to_pandas()
     return {
         "model": options.model,
         "dataset": run.config.name,
+        "engine": run.engine_label,
+        "method": analysis.step_method(steps),
         "prefill": options.prefill,
         "batch_invariant": options.batch_invariant,
         "max_new_tokens": run.max_new_tokens,
         "batch_sizes": list(options.batch_sizes),
-        **analysis.summarize_flips(tables["steps"].to_pandas(), tables["sequences"].to_pandas()),
+        **analysis.summarize_flips(steps, tables["sequences"].to_pandas()),
         "solo_tokens_per_s": solo_tokens / solo_seconds if solo_seconds > 0 else None,
         "batched_tokens_per_s": sum(tokens.values()) / batched_seconds if batched_seconds > 0 else None,
         "batched_tokens_per_s_by_batch_size": {
             b: tokens[b] / s if s > 0 else None for b, s in sorted(seconds.items(), key=lambda kv: int(kv[0]))
         },
         "oom_splits": [split for record in group_records for split in record["oom_splits"]],
+        **solo_repeat_summary(group_records),
     }
+
+
+def solo_repeat_summary(group_records: list[dict]) -> dict:
+    """An endpoint's determinism at batch size 1 (solo vs solo again), summed over groups; {}
+    for the in-process engine, whose solo decoding runs once."""
+    repeats = [record["solo_repeat"] for record in group_records if "solo_repeat" in record]
+    if not repeats:
+        return {}
+    total = {key: sum(r[key] for r in repeats) for key in ("requests", "requests_differing", "steps",
+                                                             "logprob_steps_differing")}
+    total["max_logprob_drift"] = max(r["max_logprob_drift"] for r in repeats)
+    total["differing"] = [d for r in repeats for d in r["differing"]]
+    total["deterministic"] = total["requests_differing"] == 0 and total["logprob_steps_differing"] == 0
+    return {"solo_repeat": total}
 
 
 def with_gate(run: PreparedRun, summary: dict, tables: dict[str, pa.Table]) -> dict:
@@ -104,29 +126,21 @@ def open_writer(run: PreparedRun, out: Path) -> RunWriter:
     return RunWriter(out, run.shard, fingerprint("flips", run), run.resume)
 
 
-def record_flips(lm, run: PreparedRun, out: Path, on_progress: ProgressFn, on_split: SplitFn = lambda b, h: None,
-                 writer: RunWriter | None = None, probe=None) -> tuple[dict, bool]:
-    """Decode, analyse and publish one flips run (or shard); (summary, whole run complete?).
+def record_flips(engine, run: PreparedRun, out: Path, on_progress: ProgressFn,
+                 on_split: SplitFn = lambda b, h: None, writer: RunWriter | None = None) -> tuple[dict, bool]:
+    """Decode, analyse and publish one flips run (or shard) through `engine` (an
+    engines.AuditEngine; None when only finishing a sharded run); (summary, whole run complete?).
 
-    Groups already committed by an interrupted run are not decoded again. A batch-invariant run
-    decodes under the plan of `probe` (a ProbeReport of this model on this machine)."""
+    Groups already committed by an interrupted run are not decoded again."""
     options, config = run.options, run.config
     writer = writer or open_writer(run, out)
     summarize_run = lambda tables, records: with_gate(run, summarize(run, tables, records), tables)  # noqa: E731
     if writer.finishing_only:
         return finish_run(writer, SCHEMAS, summarize_run, None)
-    prompts = [data.encode(lm.tokenizer, config, request.text) for request in run.requests]
-    for index, records in audit_groups(
-        lm.model, lm.tokenizer, run.requests, prompts, options, run.max_new_tokens, config.name, lm.device,
-        wanted=run.wanted(writer.done_groups()), on_progress=on_progress, on_split=on_split,
-        plan=probe.plan if probe is not None else None,
-    ):
+    run.engine_label = engine.label
+    prompts = [data.encode(engine.tokenizer, config, request.text) for request in run.requests]
+    for index, records in engine.audit(run, prompts, run.wanted(writer.done_groups()), on_progress, on_split):
         writer.commit(index, {"steps": results.steps_table(records.steps, options.model, config.name),
                               "sequences": results.sequences_table(records.sequences, options.model)},
                       group_record(records))
-    run_manifest = results.manifest(
-        "flips", {**asdict(options), "max_new_tokens": run.max_new_tokens, "shard": str(run.shard)}, lm.device,
-        {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source, "dataset_config": asdict(config),
-         **({"probe": probe.to_dict()} if probe is not None else {})},
-    )
-    return finish_run(writer, SCHEMAS, summarize_run, run_manifest)
+    return finish_run(writer, SCHEMAS, summarize_run, engine.manifest(run))

@@ -159,6 +159,19 @@ def placement_kwargs(device: str, tp_plan: str | None) -> dict:
     return {"distributed_config": DistributedConfig(tp_plan=tp_plan)}
 
 
+def load_tokenizer(name: str):
+    """(tokenizer, source) of a model without its weights: an endpoint audit applies the chat
+    template locally and sends token ids."""
+    source = resolve_source(name)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, local_files_only=True), source
+    except OSError as exc:
+        raise UserError(f"cannot load the tokenizer of {name!r} from {source} offline ({str(exc).splitlines()[0]}); "
+                        f"download it first (`hf download {source}`) or pass a local folder") from exc
+
+
 def load_model(name: str, dtype: str = "bf16", device: str = "auto", attn: str = "sdpa",
                tp_plan: str | None = None) -> LoadedModel:
     if dtype not in DTYPES:

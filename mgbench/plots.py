@@ -16,8 +16,9 @@ from .calibration import UNITS  # noqa: E402
 
 def calibration_curves(curves: pd.DataFrame, taus: dict[str, float | None], path: Path) -> None:
     """Recall of flips and trigger rate against TAU, one panel per margin unit."""
-    fig, axes = plt.subplots(1, len(UNITS), figsize=(11, 4))
-    for ax, unit in zip(axes, UNITS):
+    units = [u for u in UNITS if (curves["unit"] == u).any()] or ["logit"]
+    fig, axes = plt.subplots(1, len(units), figsize=(5.5 * len(units), 4), squeeze=False)
+    for ax, unit in zip(axes[0], units):
         data = curves[curves["unit"] == unit]
         # The interesting part is near TAU; far above it the trigger rate only creeps towards 1.
         tau = taus.get(unit)
@@ -39,8 +40,9 @@ def calibration_curves(curves: pd.DataFrame, taus: dict[str, float | None], path
 
 def margin_histograms(steps: pd.DataFrame, path: Path) -> None:
     """Margins at flip vs non-flip steps (density), one panel per unit."""
-    fig, axes = plt.subplots(1, len(UNITS), figsize=(11, 4))
-    for ax, (unit, column) in zip(axes, UNITS.items()):
+    units = {u: c for u, c in UNITS.items() if steps[c].notna().any()} or {"logit": "margin"}  # endpoint: no ulps
+    fig, axes = plt.subplots(1, len(units), figsize=(5.5 * len(units), 4), squeeze=False)
+    for ax, (unit, column) in zip(axes[0], units.items()):
         values = steps[column].to_numpy(dtype=float)
         top = np.quantile(values, 0.99) if len(values) else 1.0
         bins = np.linspace(0, max(top, 1e-6), 60)

@@ -20,20 +20,33 @@ def _pct(value) -> str:
 
 
 def render_flips(console: Console, summary: dict, pads: pd.DataFrame) -> None:
-    head = Table(title=f"mgbench flips: {summary['model']} on {summary['dataset']}", show_header=False)
+    black_box = summary.get("method") == "first-divergence"
+    engine = f" ({summary['engine']})" if summary.get("engine") else ""
+    head = Table(title=f"mgbench flips: {summary['model']} on {summary['dataset']}{engine}", show_header=False)
     head.add_column("figure", style="bold")
     head.add_column("value", justify="right")
     rows = [
-        ("teacher-forced steps", summary["steps"]),
+        ("synchronous steps (to first divergence)" if black_box else "teacher-forced steps", summary["steps"]),
         ("flips", summary["flips"]),
         ("flip rate", _pct(summary["flip_rate"])),
         ("sequences (free-running)", summary["sequences"]),
         ("sequences diverged", summary["sequences_diverged"]),
         ("sequence-level determinism", _pct(summary["determinism"])),
-        ("solo decode tokens/s", _fmt(summary["solo_tokens_per_s"])),
-        ("batched decode tokens/s", _fmt(summary["batched_tokens_per_s"])),
-        ("prefill", summary["prefill"]),
-        ("batch-invariant mode", "on" if summary.get("batch_invariant") else "off"),
+        ("steps with logprob drift (same token)", f"{summary.get('drift_steps_differing', '-')} / "
+                                                   f"{summary.get('drift_steps', '-')} ({_pct(summary.get('drift_share'))})"),
+        ("max logprob drift", _fmt(summary.get("max_logprob_drift"), 3)),
+    ]
+    repeat = summary.get("solo_repeat")
+    if repeat:
+        rows += [("solo vs solo again: requests differing", f"{repeat['requests_differing']} / {repeat['requests']}"
+                  + ("" if not repeat["requests_differing"] else " (NOT deterministic at batch size 1: left out)")),
+                 ("solo vs solo again: steps with logprob drift", f"{repeat['logprob_steps_differing']} / "
+                                                                  f"{repeat['steps']} (max {_fmt(repeat['max_logprob_drift'], 3)})")]
+    rows += [
+        ("solo tokens/s" if black_box else "solo decode tokens/s", _fmt(summary["solo_tokens_per_s"])),
+        ("batched tokens/s" if black_box else "batched decode tokens/s", _fmt(summary["batched_tokens_per_s"])),
+        *([] if black_box else [("prefill", summary["prefill"]),
+                                ("batch-invariant mode", "on" if summary.get("batch_invariant") else "off")]),
         ("max new tokens", summary["max_new_tokens"]),
     ]
     for name, value in rows:
@@ -56,11 +69,13 @@ def render_flips(console: Console, summary: dict, pads: pd.DataFrame) -> None:
     quantile_names = list(summary["margin_logit_quantiles_flip"])
     for q in quantile_names:
         margins.add_column(q, justify="right")
-    for unit in ("logit", "ulp"):
+    for unit in ("logit",) if black_box else ("logit", "ulp"):  # a black box gives no raw logits: no ulps
         for group in ("flip", "non_flip"):
             values = summary[f"margin_{unit}_quantiles_{group}"]
             margins.add_row(f"{unit} / {group.replace('_', '-')}", *[_fmt(values[q], 3) for q in quantile_names])
     console.print(margins)
+    if black_box:  # no K/V, no padding through an API
+        return
 
     kv = Table(title=f"K/V perturbation before flips (overall median {_fmt(summary['kv_delta_overall_median'], 3)})")
     kv.add_column("offset from flip", justify="right")

@@ -41,8 +41,14 @@ PLACEMENT_FIELDS = [
     ("pad_len", pa.int32()),
 ]
 
+# How a step was compared with solo: "teacher-forced" (the in-process engine feeds the solo token,
+# so every step is comparable) or "first-divergence" (a black-box endpoint: steps up to and
+# including the first differing token). Columns an endpoint cannot measure are null there.
+METHODS = ("teacher-forced", "first-divergence")
+
 STEP_FIELDS = [
     *PLACEMENT_FIELDS,
+    ("method", pa.string()),
     ("step", pa.int32()),
     ("solo_token", pa.int64()),
     ("batched_token", pa.int64()),
@@ -51,6 +57,7 @@ STEP_FIELDS = [
     ("margin_ulp", pa.float32()),
     ("solo_margin", pa.float32()),
     ("max_abs_logit_diff", pa.float32()),
+    ("logprob_drift", pa.float32()),  # max |solo - batched| top-k logprob, over ids in both top-k
     ("kv_delta_mean", pa.float32()),
     ("kv_delta_max", pa.float32()),
 ]
@@ -77,12 +84,19 @@ STEPS_SCHEMA = _schema(STEP_FIELDS)
 SEQUENCES_SCHEMA = _schema(SEQUENCE_FIELDS)
 
 
+def _column(rows: list[dict], name: str, kind: pa.DataType) -> pa.Array:
+    """One column over per-row dicts; a row whose value is None did not measure it: nulls there."""
+    parts = [pa.nulls(len(r["step"]), kind) if r[name] is None else pa.array(np.asarray(r[name]), kind)
+             for r in rows]
+    return pa.concat_arrays(parts) if parts else pa.array([], kind)
+
+
 def steps_table(row_columns: list[dict], model: str, dataset: str) -> pa.Table:
-    """Concatenate per-row column dicts (numpy arrays) into the steps table."""
+    """Concatenate per-row column dicts (arrays, or None where unmeasured) into the steps table."""
     n = sum(len(r["step"]) for r in row_columns)
-    columns = {"model": [model] * n, "dataset": [dataset] * n}
-    for name, _ in STEP_FIELDS[2:]:
-        columns[name] = np.concatenate([r[name] for r in row_columns]) if row_columns else np.array([])
+    columns = {"model": pa.array([model] * n, pa.string()), "dataset": pa.array([dataset] * n, pa.string())}
+    for name, kind in STEP_FIELDS[2:]:
+        columns[name] = _column(row_columns, name, kind)
     return pa.Table.from_pydict(columns, schema=STEPS_SCHEMA)
 
 

@@ -3,7 +3,6 @@ compared with its solo reference, over batch sizes and (needle mode) positions i
 
 from __future__ import annotations
 
-import random
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
@@ -13,12 +12,14 @@ import pyarrow.compute as pc
 import torch
 
 from . import SCHEMA_VERSION, analysis, data, results
-from .audit import (ProgressFn, batch_id_base, eos_token_ids, first_divergence, pad_token_id, plan_groups,
-                    solo_groups)
+from .divergence import first_divergence
+from .audit import eos_token_ids, pad_token_id, solo_groups
+from .grouping import ProgressFn, batch_id_base, plan_groups
 from .engine.batch_invariant import InvariancePlan, decoding_mode
 from .engine.policies import PolicySpec
 from .engine.runners import row_prefills, run_free
 from .flips import PreparedRun, fingerprint, with_gate
+from .needle import filler_prompts, needle_layout
 from .parts import RunWriter, finish_run
 from .oom import SplitFn, recording_splits, run_splitting_on_oom
 from .results import PLACEMENT_FIELDS, SCHEMA_KEY, TOKEN_IDS
@@ -44,21 +45,6 @@ class VerifyRecords:
     shortfalls: list[dict] = field(default_factory=list)
     seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (policy label, batch size) -> decode s
     oom_splits: list[dict] = field(default_factory=list)  # batches retried smaller after out-of-memory
-
-
-def needle_layout(request_id: int, batch_size: int, fillers: int, seed: int) -> tuple[int, list[int]]:
-    """(row of the request, filler indices) for needle mode, deterministic per request and batch size."""
-    rng = random.Random(f"{seed}:{request_id}:{batch_size}")
-    return rng.randrange(batch_size), [rng.randrange(fillers) for _ in range(batch_size - 1)]
-
-
-def filler_prompts(run: PreparedRun, tokenizer, count: int) -> list[list[int]]:
-    """Prompts of dataset records outside the verified selection, to fill needle batches."""
-    chosen = {r.request_id for r in run.requests}
-    records = data.read_records(run.config)
-    pool = [i for i in range(len(records)) if i not in chosen] or [r.request_id for r in run.requests]
-    picks = random.Random(run.options.seed + 1).sample(pool, min(count, len(pool)))
-    return [data.encode(tokenizer, run.config, data.prompt_text(run.config, records[i])) for i in picks]
 
 
 def group_record(records: VerifyRecords) -> dict:

@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from mgbench import analysis
-from mgbench.audit import first_divergence
+from mgbench.divergence import first_divergence
 
 
 def synthetic_steps():
@@ -17,6 +17,7 @@ def synthetic_steps():
             "margin": [1.0] * 9 + [0.125 if row == 1 else 2.0],
             "margin_ulp": [8.0] * 9 + [1.0 if row == 1 else 16.0],
             "kv_delta_mean": [0.01 * (s + 1) if row == 1 else 0.0 for s in range(10)],
+            "logprob_drift": [0.0] * 8 + [0.25, 0.5] if row == 1 else 0.0,  # the flip's own drift is not counted
         }))
     return pd.concat(frames, ignore_index=True)
 
@@ -34,6 +35,8 @@ def test_summary_counts_and_rates():
     assert summary["margin_logit_quantiles_flip"]["q50"] == pytest.approx(0.125)
     assert summary["margin_ulp_quantiles_non_flip"]["q100"] == pytest.approx(16.0)
     assert summary["by_batch_size"][0]["flip_rate"] == pytest.approx(0.05)
+    # drift counts steps with the same token only: 19 of them, one drifted (0.25); the flip's 0.5 is not drift
+    assert (summary["drift_steps"], summary["drift_steps_differing"], summary["max_logprob_drift"]) == (19, 1, 0.25)
 
 
 def test_kv_before_flips_window():

@@ -19,9 +19,9 @@ def steps_frame(margins, flipped, ulps=None, model="m", dataset="d"):
     n = len(margins)
     return pd.DataFrame({
         "model": model, "dataset": dataset, "request_id": np.arange(n), "batch_id": 0, "row": 0, "batch_size": 8,
-        "pad_len": 3, "step": np.arange(n), "solo_token": 1, "batched_token": 1, "flipped": np.array(flipped, bool),
+        "pad_len": 3, "method": "teacher-forced", "step": np.arange(n), "solo_token": 1, "batched_token": 1, "flipped": np.array(flipped, bool),
         "margin": np.array(margins, np.float32), "margin_ulp": np.array(ulps if ulps is not None else margins, np.float32) * (1 if ulps is not None else 8),
-        "solo_margin": np.array(margins, np.float32), "max_abs_logit_diff": 0.0, "kv_delta_mean": 0.0, "kv_delta_max": 0.0,
+        "solo_margin": np.array(margins, np.float32), "max_abs_logit_diff": 0.0, "logprob_drift": 0.0, "kv_delta_mean": 0.0, "kv_delta_max": 0.0,
     })
 
 

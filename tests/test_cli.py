@@ -13,8 +13,8 @@ from mgbench.cli import app
 
 runner = CliRunner()
 
-STEP_COLUMNS = ["request_id", "batch_id", "row", "batch_size", "pad_len", "step", "solo_token", "batched_token",
-                "flipped", "margin", "margin_ulp", "solo_margin", "max_abs_logit_diff", "kv_delta_mean", "kv_delta_max"]
+STEP_COLUMNS = ["request_id", "batch_id", "row", "batch_size", "pad_len", "method", "step", "solo_token", "batched_token",
+                "flipped", "margin", "margin_ulp", "solo_margin", "max_abs_logit_diff", "logprob_drift", "kv_delta_mean", "kv_delta_max"]
 SEQUENCE_COLUMNS = ["request_id", "dataset", "prompt_ids", "solo_ids", "batched_ids", "first_divergence", "identical"]
 SUMMARY_KEYS = ["steps", "flips", "flip_rate", "sequences", "sequences_diverged", "solo_tokens_per_s",
                 "batched_tokens_per_s", "margin_logit_quantiles_flip", "margin_logit_quantiles_non_flip"]

@@ -13,10 +13,12 @@ from mgbench.errors import UserError
 def row_columns(n=3):
     return [{
         "request_id": np.full(n, 7), "batch_id": np.zeros(n, np.int32), "row": np.zeros(n, np.int32),
-        "batch_size": np.full(n, 2, np.int32), "pad_len": np.full(n, 5, np.int32), "step": np.arange(n, dtype=np.int32),
+        "batch_size": np.full(n, 2, np.int32), "pad_len": np.full(n, 5, np.int32),
+        "method": np.full(n, "teacher-forced"), "step": np.arange(n, dtype=np.int32),
         "solo_token": np.arange(n), "batched_token": np.arange(n), "flipped": np.zeros(n, bool),
         "margin": np.ones(n, np.float32), "margin_ulp": np.ones(n, np.float32), "solo_margin": np.ones(n, np.float32),
-        "max_abs_logit_diff": np.zeros(n, np.float32), "kv_delta_mean": np.zeros(n, np.float32),
+        "max_abs_logit_diff": np.zeros(n, np.float32),
+        "logprob_drift": np.zeros(n, np.float32), "kv_delta_mean": np.zeros(n, np.float32),
         "kv_delta_max": np.zeros(n, np.float32),
     }]
 

@@ -23,6 +23,23 @@ def margins(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return margin, margin / bf16_ulp(top1)
 
 
+# Top logprobs compared per step: the default an endpoint audit asks for, kept equal in-process
+# so the two engines' drift columns mean the same.
+TOP_LOGPROBS = 5
+
+
+def logprob_drift(batched_logits: torch.Tensor, solo_logits: torch.Tensor, k: int = TOP_LOGPROBS) -> torch.Tensor:
+    """Max |solo - batched| log-softmax over the ids in both rows' top-k, per row (float32).
+
+    The same quantity an endpoint audit reads from top-k logprobs (ids only one side lists have
+    no value on the other side, as over an API)."""
+    batched, solo = batched_logits.float().log_softmax(-1), solo_logits.float().log_softmax(-1)
+    solo_ids, batched_ids = solo.topk(k, dim=-1).indices, batched.topk(k, dim=-1).indices
+    shared = (solo_ids.unsqueeze(-1) == batched_ids.unsqueeze(-2)).any(-1)
+    diff = (solo.gather(-1, solo_ids) - batched.gather(-1, solo_ids)).abs()
+    return torch.where(shared, diff, torch.zeros_like(diff)).amax(-1)
+
+
 def step_metrics(batched_logits: torch.Tensor, solo_logits: torch.Tensor) -> dict[str, torch.Tensor]:
     """Compare batched vs solo logits of one step, row by row ([B, vocab] each)."""
     margin, margin_ulp = margins(batched_logits)
@@ -37,6 +54,7 @@ def step_metrics(batched_logits: torch.Tensor, solo_logits: torch.Tensor) -> dic
         "margin_ulp": margin_ulp,
         "solo_margin": solo_margin,
         "max_abs_logit_diff": (batched_logits.float() - solo_logits.float()).abs().amax(-1),
+        "logprob_drift": logprob_drift(batched_logits, solo_logits),
     }
 
 

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Serve the default model (SmolLM2-135M, its cached dense bf16 folder) with vLLM's CPU build on
+# 127.0.0.1, in the foreground, so a caller can start it in the background and stop it by its PID:
+#
+#   examples/serve_vllm_cpu.sh 8000 &  SERVER=$!
+#   mgbench flips --endpoint http://127.0.0.1:8000/v1 --limit 8 --max-new-tokens 32
+#   kill $SERVER
+#
+# Usage: examples/serve_vllm_cpu.sh [PORT] [EXTRA VLLM ARGS...]   (eager by default; pass
+# --no-enforce-eager for the compiled mode, --served-model-name NAME to rename it).
+# Environment: MGBENCH_VLLM_VENV (default .venv-vllm, from `make vllm`), MGBENCH_PYTHON (the
+# mgbench venv's python, default .venv/bin/python), MGBENCH_MODEL_DIR (serve another folder),
+# VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, default 2).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PORT="${1:-8000}"
+shift || true
+VLLM_VENV="${MGBENCH_VLLM_VENV:-$ROOT/.venv-vllm}"
+MGBENCH_PYTHON="${MGBENCH_PYTHON:-$ROOT/.venv/bin/python}"
+if [[ ! -x "$VLLM_VENV/bin/python" ]]; then
+  echo "error: no vLLM venv at $VLLM_VENV; run \`make vllm\` first" >&2
+  exit 2
+fi
+if [[ -z "${MGBENCH_MODEL_DIR:-}" ]]; then
+  # The default model's dense folder (converted from the packaged GGUF on first use).
+  MGBENCH_MODEL_DIR="$("$MGBENCH_PYTHON" -c 'from mgbench.models import resolve_source; print(resolve_source("smollm2-135m"))')"
+fi
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
+# `vllm serve` looks up package metadata named vllm (this distribution is vllm-cpu): the API
+# server module is the entry point that works as installed.
+exec "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+  --model "$MGBENCH_MODEL_DIR" --host 127.0.0.1 --port "$PORT" \
+  --dtype bfloat16 --enforce-eager --max-model-len 2048 "$@"

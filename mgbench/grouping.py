@@ -1,0 +1,50 @@
+"""Groups of requests and the records an engine yields per group (shared by both engines).
+
+A group is the largest batch size's worth of requests: the unit that is decoded, committed,
+resumed and sharded, whichever engine decodes it (in-process or a served endpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .config import RunOptions
+from .sharding import groups_of
+
+# on_progress(phase, n): "total" first (requests this process will decode), then "solo",
+# "batched" (and, for an endpoint, "solo-repeat") as requests finish each pass.
+ProgressFn = Callable[[str, int], None]
+
+
+@dataclass
+class AuditRecords:
+    steps: list[dict] = field(default_factory=list)  # one dict of equal-length columns per batch row
+    sequences: list[dict] = field(default_factory=list)  # one dict per (request, batch size)
+    solo_tokens: int = 0
+    solo_seconds: float = 0.0
+    batched_tokens: dict[int, int] = field(default_factory=dict)
+    batched_seconds: dict[int, float] = field(default_factory=dict)
+    oom_splits: list[dict] = field(default_factory=list)  # batches retried smaller after out-of-memory
+    extra: dict = field(default_factory=dict)  # engine-specific figures of the group (endpoint: solo repeat)
+
+
+def order_requests(prompts: list[list[int]], sort_by_length: bool) -> list[int]:
+    """Indices in decoding order: arrival order, or longest prompt first to shrink padding."""
+    order = list(range(len(prompts)))
+    if sort_by_length:
+        order.sort(key=lambda i: (-len(prompts[i]), i))
+    return order
+
+
+def plan_groups(prompts: list[list[int]], options: RunOptions) -> list[list[int]]:
+    """Request indices per group, in decoding order. A group is decoded alone once, then split
+    into batches of every batch size; groups are also the unit of resuming and sharding."""
+    return groups_of(order_requests(prompts, options.sort_by_length), max(options.batch_sizes))
+
+
+def batch_id_base(group_index: int, group_size: int, batches_per_member: int) -> int:
+    """First batch id of a group. Each batch holds at least one request, so a group never uses
+    more than group_size * batches_per_member ids (out-of-memory splits included), and ids stay
+    the same whichever process decodes the group."""
+    return group_index * group_size * batches_per_member

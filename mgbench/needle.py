@@ -1,0 +1,22 @@
+"""Needle mode: each audited request at a seeded row among filler requests from the same dataset."""
+
+from __future__ import annotations
+
+import random
+
+from . import data
+
+
+def needle_layout(request_id: int, batch_size: int, fillers: int, seed: int) -> tuple[int, list[int]]:
+    """(row of the request, filler indices) for needle mode, deterministic per request and batch size."""
+    rng = random.Random(f"{seed}:{request_id}:{batch_size}")
+    return rng.randrange(batch_size), [rng.randrange(fillers) for _ in range(batch_size - 1)]
+
+
+def filler_prompts(run, tokenizer, count: int) -> list[list[int]]:
+    """Prompts of dataset records outside the run's selection (a PreparedRun), to fill needle batches."""
+    chosen = {r.request_id for r in run.requests}
+    records = data.read_records(run.config)
+    pool = [i for i in range(len(records)) if i not in chosen] or [r.request_id for r in run.requests]
+    picks = random.Random(run.options.seed + 1).sample(pool, min(count, len(pool)))
+    return [data.encode(tokenizer, run.config, data.prompt_text(run.config, records[i])) for i in picks]

@@ -1,0 +1,130 @@
+"""A small OpenAI-compatible completions server in a thread, for fault and resume tests.
+
+Greedy completions are a pure function of the prompt ids (so solo and batched agree unless a
+test asks otherwise), with vLLM's response shape: `token_ids`, top logprobs keyed `token_id:N`.
+`mode` picks a fault: "ok", "not-openai", "no-logprobs", "text-keys", "http-500", "drop"
+(close the connection without an answer), "slow"; `fail_after` lets that many completions
+succeed first. Bound to 127.0.0.1 on a free port; `stop()` shuts it down.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def greedy_tokens(prompt: list[int], max_tokens: int, flip_at: int | None = None) -> list[int]:
+    tokens = [(sum(prompt) * 31 + 7 * step) % 997 + 3 for step in range(max_tokens)]
+    if flip_at is not None and flip_at < max_tokens:
+        tokens[flip_at] += 1
+    return tokens
+
+
+class StubState:
+    def __init__(self, mode: str = "ok", fail_after: int = 0, models=("stub-model",), flip_when_concurrent=False):
+        self.mode, self.fail_after, self.models = mode, fail_after, list(models)
+        self.flip_when_concurrent = flip_when_concurrent
+        self.completions = 0
+        self.active: list[dict] = []  # requests being answered; each marks whether another overlapped it
+        self.lock = threading.Lock()
+
+
+def _completion(state: StubState, body: dict, concurrent: bool) -> dict:
+    prompt = body["prompt"]
+    ids = prompt if isinstance(prompt, list) else [ord(c) for c in prompt]
+    varies = state.flip_when_concurrent and concurrent  # the planted batch variance: drift, then a flip
+    flip_at = 2 if varies else None
+    tokens = greedy_tokens(ids, int(body["max_tokens"]), flip_at)
+    k = int(body.get("logprobs") or 0)
+    top = [{f"token_id:{t + j}": -0.25 * (j + 1) + (0.125 if varies and j == 1 else 0.0) for j in range(k)}
+           for t in tokens]
+    if state.mode == "text-keys":
+        top = [{f"tok{j}": v for j, v in enumerate(entry.values())} for entry in top]
+    logprobs = None if state.mode == "no-logprobs" or k == 0 else {"tokens": [f"token_id:{t}" for t in tokens],
+                                                                     "top_logprobs": top}
+    return {"id": "cmpl-stub", "object": "text_completion", "model": body["model"], "system_fingerprint": "stub-1",
+            "choices": [{"index": 0, "text": "", "token_ids": tokens, "logprobs": logprobs, "finish_reason": "length"}]}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    state: StubState
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def _send(self, status: int, payload, content_type: str = "application/json") -> None:
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.state.mode == "not-openai":
+            self._send(404, b"<html><body>Not Found</body></html>", "text/html")
+        elif self.path == "/v1/models":
+            self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in self.state.models]})
+        elif self.path == "/version":
+            self._send(200, {"version": "0.0-stub"})
+        else:
+            self._send(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:
+        state = self.state
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/v1/completions":
+            self._send(404, {"detail": "Not Found"})
+            return
+        if body["model"] not in state.models:
+            self._send(404, {"error": {"message": f"The model `{body['model']}` does not exist.", "code": 404}})
+            return
+        with state.lock:
+            state.completions += 1
+            failing = state.mode in ("http-500", "drop", "slow") and state.completions > state.fail_after
+            mine = {"concurrent": bool(state.active)}
+            for other in state.active:
+                other["concurrent"] = True
+            state.active.append(mine)
+        try:
+            if failing and state.mode == "http-500":
+                self._send(500, {"error": {"message": "TypeError: 'function' object is not subscriptable",
+                                           "type": "InternalServerError", "code": 500}})
+                return
+            if failing and state.mode == "drop":
+                self.close_connection = True
+                self.connection.close()
+                return
+            if failing and state.mode == "slow":
+                time.sleep(3)
+            time.sleep(0.2)  # long enough for the requests of a released batch to overlap
+            with state.lock:
+                concurrent = mine["concurrent"]
+            self._send(200, _completion(state, body, concurrent))
+        finally:
+            with state.lock:
+                state.active.remove(mine)
+
+
+class StubServer:
+    def __init__(self, state: StubState | None = None, port: int = 0):
+        self.state = state or StubState()
+        handler = type("Handler", (_Handler,), {"state": self.state})
+        ThreadingHTTPServer.allow_reuse_address = True  # a restart on the same port (resume tests)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self) -> "StubServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

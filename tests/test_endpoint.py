@@ -1,0 +1,146 @@
+"""The endpoint audit without vLLM: first-divergence semantics, faults and resume against a stub
+OpenAI server in a thread (tests/stub_openai.py). The real vLLM server is tests/test_vllm.py."""
+
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from mgbench.cli import app
+from mgbench.divergence import Decoded, first_divergence_columns, logprob_drift, repeat_agreement, top2_margin
+from stub_openai import StubServer, StubState
+
+runner = CliRunner()
+AUDIT = ["flips", "--dataset", "gsm8k", "--limit", "4", "--batch-size", "2", "--max-new-tokens", "6"]
+
+
+def decoded(ids, second=-1.0):
+    return Decoded(ids, [{t: -0.5, t + 1: second} for t in ids])
+
+
+def test_first_divergence_rows_stop_at_the_flip_and_leave_unmeasurable_columns_null():
+    solo = decoded([5, 6, 7, 8])
+    batched = Decoded([5, 6, 9, 10], [{5: -0.5, 6: -1.0}, {6: -0.5, 7: -0.75}, {9: -0.5, 10: -0.5}, {10: -0.1, 11: -1}])
+    columns = first_divergence_columns(solo, batched)
+    assert columns["step"].tolist() == [0, 1, 2]  # steps 0..first divergence, later ones not comparable
+    assert columns["flipped"].tolist() == [False, False, True]
+    assert columns["margin"].tolist() == [0.5, 0.25, 0.0]  # batched top-1 minus top-2; a tie is 0
+    assert columns["logprob_drift"].tolist() == [0.0, 0.25, 0.0]  # step 2 shares no id: 0 by definition
+    assert all(columns[name] is None for name in ("margin_ulp", "max_abs_logit_diff", "kv_delta_mean", "kv_delta_max"))
+    same = first_divergence_columns(solo, decoded([5, 6, 7, 8]))
+    assert len(same["step"]) == 4 and not same["flipped"].any()
+
+
+def test_margin_is_by_value_not_rank_and_drift_over_shared_ids():
+    assert top2_margin({7: -2.0, 3: -0.5, 9: -0.5}) == 0.0  # emitted token listed second on a tie
+    assert logprob_drift({1: -0.5, 2: -1.0}, {1: -0.25, 3: -9.0}) == 0.25
+    agreement = repeat_agreement(decoded([1, 2, 3]), decoded([1, 2, 4], second=-1.5))
+    assert agreement == {"first_divergence": 2, "steps": 2, "logprob_steps_differing": 2, "max_logprob_drift": 0.5}
+
+
+def flips(url, out, *extra):
+    return runner.invoke(app, [*AUDIT, "--endpoint", url, "--out", str(out), "--json", *extra])
+
+
+def test_positive_control_concurrent_variance_is_caught_and_negative_control_is_clean(tmp_path):
+    with StubServer(StubState(flip_when_concurrent=True)) as server:
+        result = flips(server.url, tmp_path / "varies")
+    assert result.exit_code == 0, result.output
+    varies = json.loads(result.stdout)
+    assert varies["method"] == "first-divergence" and varies["flips"] == 4 and varies["sequences_diverged"] == 4
+    assert varies["steps"] == 4 * 3  # each pair: steps 0, 1 and the flip at 2
+    assert varies["max_logprob_drift"] == 0.125 and varies["drift_share"] == 1.0
+    assert varies["solo_repeat"]["deterministic"] is True
+    steps = pd.read_parquet(tmp_path / "varies" / "steps.parquet")
+    assert steps["margin_ulp"].isna().all() and steps["kv_delta_mean"].isna().all()
+    assert (steps["method"] == "first-divergence").all() and steps["margin"].notna().all()
+
+    with StubServer() as server:  # no concurrency effect: the audit must say so
+        result = flips(server.url, tmp_path / "clean")
+    clean = json.loads(result.stdout)
+    assert clean["flips"] == 0 and clean["sequences_diverged"] == 0 and clean["max_logprob_drift"] == 0.0
+    assert clean["steps"] == 4 * 6
+
+
+def test_calibrate_reads_an_endpoint_run_and_refuses_its_null_ulps(tmp_path):
+    with StubServer(StubState(flip_when_concurrent=True)) as server:
+        assert flips(server.url, tmp_path / "run").exit_code == 0
+    done = runner.invoke(app, ["calibrate", str(tmp_path / "run"), "--out", str(tmp_path / "cal"), "--json"])
+    assert done.exit_code == 0, done.output
+    document = json.loads(done.stdout)
+    assert document["unit"] == "logit" and document["flips"] == 4 and document["tau"] is not None
+    refused = runner.invoke(app, ["calibrate", str(tmp_path / "run"), "--unit", "ulp", "--out", str(tmp_path / "u")])
+    assert refused.exit_code == 2 and "ulp" in refused.stderr and "endpoint" in refused.stderr
+    assert not (tmp_path / "u").exists()
+
+
+def one_line_exit_2(result, message, out):
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert message in lines[-1] and "Traceback" not in result.output, result.stderr
+    assert len([line for line in lines if line.startswith("error:")]) == 1
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial*")), "half-written run"
+
+
+@pytest.mark.parametrize("state,message", [
+    (StubState(mode="not-openai"), "not an OpenAI model list"),
+    (StubState(mode="no-logprobs"), "no top logprobs"),
+    (StubState(mode="text-keys"), "by token text"),
+    (StubState(models=("a", "b")), "choose one with --served-model"),
+    (StubState(mode="http-500"), "HTTP 500: TypeError: 'function' object is not subscriptable"),
+])
+def test_server_faults_exit_2_in_one_line(tmp_path, state, message):
+    with StubServer(state) as server:
+        one_line_exit_2(flips(server.url, tmp_path / "run"), message, tmp_path / "run")
+
+
+def test_unknown_served_model_and_nothing_listening(tmp_path):
+    from mgbench.endpoint.local_server import free_port
+
+    with StubServer() as server:
+        one_line_exit_2(flips(server.url, tmp_path / "run", "--served-model", "nope"), "does not serve 'nope'",
+                        tmp_path / "run")
+    one_line_exit_2(flips(f"http://127.0.0.1:{free_port()}/v1", tmp_path / "run"), "nothing is listening",
+                    tmp_path / "run")
+
+
+def test_timeout_exits_2(tmp_path):
+    with StubServer(StubState(mode="slow", fail_after=1)) as server:
+        one_line_exit_2(flips(server.url, tmp_path / "run", "--request-timeout", "0.5"),
+                        "within --request-timeout 0.5 s", tmp_path / "run")
+
+
+@pytest.mark.parametrize("option", [["--dtype", "fp32"], ["--prefill", "batched"], ["--batch-invariant"],
+                                    ["--attn", "eager"], ["--device", "cpu"], ["--shard", "0/2"]])
+def test_in_process_options_are_refused_with_the_reason(tmp_path, option):
+    result = runner.invoke(app, [*AUDIT, "--endpoint", "http://127.0.0.1:9/v1", *option, "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "cannot apply to --endpoint" in result.stderr, result.output
+
+
+def test_endpoint_only_options_need_an_endpoint(tmp_path):
+    result = runner.invoke(app, [*AUDIT, "--served-model", "x", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "only apply with --endpoint" in result.stderr
+    result = runner.invoke(app, [*AUDIT, "--endpoint", "localhost:8000", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "base URL" in result.stderr
+
+
+def test_dropped_connection_then_resume_equals_an_uninterrupted_run(tmp_path):
+    with StubServer(StubState(flip_when_concurrent=True)) as server:
+        assert flips(server.url, tmp_path / "whole").exit_code == 0
+    # Group 0 takes 1 (the start check) + 2 solo + 2 batched + 2 solo again completions.
+    with StubServer(StubState(mode="drop", fail_after=8, flip_when_concurrent=True)) as server:
+        first = flips(server.url, tmp_path / "run")
+        url = server.url
+    assert first.exit_code == 2 and "dropped the connection" in first.stderr and "--resume" in first.stderr
+    assert not (tmp_path / "run").exists() and (tmp_path / ".run.partial").is_dir()  # group 0 kept
+    with StubServer(StubState(flip_when_concurrent=True)) as server:  # a new port is another server
+        moved = flips(server.url, tmp_path / "run", "--resume")
+    assert moved.exit_code == 2 and "other options" in moved.stderr
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    with StubServer(StubState(flip_when_concurrent=True), port=port):  # the same server, restarted
+        resumed = flips(url, tmp_path / "run", "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    for table in ("steps", "sequences"):
+        pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "run" / f"{table}.parquet"),
+                                      pd.read_parquet(tmp_path / "whole" / f"{table}.parquet"))
