@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(BIN)/mgbench flips --model smollm2-135m --dataset math500 --limit 16 --batch-size 8 --max-new-tokens 48
 
-test: setup
+test: setup vllm
 	$(BIN)/python -m pytest -q
 
 bench: setup

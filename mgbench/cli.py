@@ -427,11 +427,12 @@ def _run_flips(options: RunOptions, placement: Placement, out: Path, spec, junit
                endpoint_options=None, label: str | None = None) -> int:
     # Imported here so that `--help` and input errors answer without loading torch.
     from . import analysis, data, gate, report, results
+    from .engines import engine_kind
     from .flips import open_writer, prepare
     from .junit import flips_junit, write_junit
 
     run = prepare(options, placement.shard, placement.resume, endpoint_options)
-    baseline = attach_gate(run, spec, "flips")
+    baseline = attach_gate(run, spec, "flips", {"engine": engine_kind(run)})
     with output_dir(placement, out) as target, open_writer(run, target) as writer:
         engine = None if writer.finishing_only else open_engine(options, run, endpoint_options, label)
         try:

