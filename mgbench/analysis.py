@@ -83,6 +83,22 @@ def drift_figures(steps: pd.DataFrame) -> dict:
             "max_logprob_drift": float(agreeing.max()) if len(agreeing) else None}
 
 
+def first_divergence_figures(sequences: pd.DataFrame) -> dict:
+    """Flip rate without teacher forcing, from the free-running sequences: steps up to and
+    including the first divergence are synchronous, the divergence is the flip. What an endpoint
+    audit measures, so in-process and served engines compare like for like."""
+    from .divergence import first_divergence, synchronous_steps
+
+    steps = flips = 0
+    for solo, batched in zip(sequences["solo_ids"], sequences["batched_ids"]):
+        solo, batched = list(solo), list(batched)
+        steps += synchronous_steps(solo, batched)
+        divergence = first_divergence(solo, batched)
+        flips += divergence is not None and divergence < min(len(solo), len(batched))
+    return {"synchronous_steps": steps, "first_divergence_flips": int(flips),
+            "first_divergence_flip_rate": flips / steps if steps else None}
+
+
 def summarize_flips(steps: pd.DataFrame, sequences: pd.DataFrame) -> dict:
     """The headline figures of a flips run (summary.json and the terminal report)."""
     flips = int(steps["flipped"].sum())
@@ -95,6 +111,7 @@ def summarize_flips(steps: pd.DataFrame, sequences: pd.DataFrame) -> dict:
         "sequences_diverged": diverged,
         "determinism": 1 - diverged / len(sequences) if len(sequences) else None,
         **drift_figures(steps),
+        **first_divergence_figures(sequences),
     }
     for column, unit in (("margin", "logit"), ("margin_ulp", "ulp")):
         quantiles = margin_quantiles(steps, column)

@@ -148,14 +148,18 @@ def engines_side_by_side(runs: list[Path]) -> list[str]:
         flip_margins = s["margin_logit_quantiles_flip"]
         rows.append([s.get("engine") or run.name, s.get("method") or "-", s["dataset"], s["sequences"],
                      ",".join(map(str, s["batch_sizes"])), s["max_new_tokens"], s["steps"], s["flips"],
-                     _pct(s["flip_rate"]), _num(flip_margins.get("q50")), _num(flip_margins.get("q100")),
+                     _pct(s["flip_rate"]), s.get("synchronous_steps", "-"), s.get("first_divergence_flips", "-"),
+                     _pct(s.get("first_divergence_flip_rate")), _num(flip_margins.get("q50")),
+                     _num(flip_margins.get("q100")),
                      f"{s['sequences_diverged']}/{s['sequences']}", _pct(s["determinism"]), _pct(s.get("drift_share")),
                      _num(s.get("max_logprob_drift")), _num(s["solo_tokens_per_s"]), _num(s["batched_tokens_per_s"])])
     return ["## Engines side by side", "",
-            "Steps: teacher-forced steps in process, synchronous steps (up to the first divergence) for an "
-            "endpoint; drift: share of same-token steps whose top-5 logprobs differ.", ""] + _table(
+            "steps/flips: as the run's method measured them (teacher-forced in process: every step; an endpoint: "
+            "up to the first divergence); synchronous steps/flips: up to the first divergence of the free-running "
+            "sequences, for every engine alike; drift: share of same-token steps whose top-5 logprobs differ.",
+            ""] + _table(
         ["engine", "method", "dataset", "requests", "batch", "tokens", "steps", "flips", "flip rate",
-         "margin at flips (median)", "(max)", "diverged", "determinism", "drift", "max drift", "solo tok/s",
+         "synchronous steps", "flips", "rate", "margin at flips (median)", "(max)", "diverged", "determinism", "drift", "max drift", "solo tok/s",
          "batched tok/s"], rows)
 
 

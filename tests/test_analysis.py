@@ -24,7 +24,8 @@ def synthetic_steps():
 
 def synthetic_sequences():
     return pd.DataFrame({"batch_id": [0, 0], "row": [0, 1], "batch_size": [2, 2], "pad_len": [3, 0],
-                         "identical": [True, False]})
+                         "identical": [True, False], "solo_ids": [[1, 2, 3], [4, 5, 6, 7]],
+                         "batched_ids": [[1, 2, 3], [4, 5, 9, 9]]})
 
 
 def test_summary_counts_and_rates():
@@ -37,6 +38,8 @@ def test_summary_counts_and_rates():
     assert summary["by_batch_size"][0]["flip_rate"] == pytest.approx(0.05)
     # drift counts steps with the same token only: 19 of them, one drifted (0.25); the flip's 0.5 is not drift
     assert (summary["drift_steps"], summary["drift_steps_differing"], summary["max_logprob_drift"]) == (19, 1, 0.25)
+    # without teacher forcing: 3 steps of the identical row + steps 0..2 of the diverging one, 1 flip
+    assert (summary["synchronous_steps"], summary["first_divergence_flips"]) == (6, 1)
 
 
 def test_kv_before_flips_window():
