@@ -4,7 +4,7 @@ Serves the default model with vLLM's CPU build (examples/serve_vllm_cpu.sh, eage
 loopback port, waits until it answers, audits it on math500 with `mgbench flips --endpoint`,
 prints the report, renders report.md, and stops the server by its PID (also on failure).
 
-    python examples/demo_vllm.py [--limit 16] [--batch-size 8] [--max-new-tokens 32] [-- EXTRA VLLM ARGS]
+    python examples/demo_vllm.py [--limit 8] [--batch-size 8] [--max-new-tokens 32] [-- EXTRA VLLM ARGS]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit", type=int, default=16)
+    parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=None, help="run directory (default: reports/flips-vllm-TIME)")

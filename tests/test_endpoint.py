@@ -154,3 +154,18 @@ def test_baseline_gate_on_an_endpoint_run(tmp_path):
         assert json.loads(same.stdout)["gate"]["baseline"]["tests"]["flip_rate"]["p_value"] == 1.0
         strict = flips(server.url, tmp_path / "strict", "--require-determinism", "1.0")
         assert strict.exit_code == 1 and "determinism" in strict.stderr
+
+
+def test_report_puts_engines_side_by_side(tmp_path):
+    with StubServer(StubState(flip_when_concurrent=True)) as server:
+        assert flips(server.url, tmp_path / "a", "--label", "stub varying").exit_code == 0
+    with StubServer() as server:
+        assert flips(server.url, tmp_path / "b", "--label", "stub steady").exit_code == 0
+    done = runner.invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "r")])
+    assert done.exit_code == 0, done.output
+    text = (tmp_path / "r" / "report.md").read_text()
+    side = text.split("## Engines side by side")[1].split("## ")[0]
+    rows = [line for line in side.splitlines() if line.startswith("| stub")]
+    assert [row.split(" | ")[0] for row in rows] == ["| stub varying", "| stub steady"]
+    assert "| 4 | 33.33% |" in rows[0] and "| 0 | 0.00% |" in rows[1]  # flips, flip rate of each engine
+    assert all("first-divergence" in row for row in rows)
