@@ -215,8 +215,9 @@ class EndpointClient:
     def _parse(self, response: httpx.Response, what: str, info: ServerInfo) -> Decoded:
         hint = self._resume_hint()
         if response.status_code != 200:
+            cause = "; the server's log has the cause" if response.status_code >= 500 else ""
             raise EndpointError(f"{what}: {info.url} answered HTTP {response.status_code}: "
-                                f"{server_message(response)}" + hint)
+                                f"{server_message(response)}{cause}" + hint)
         try:
             body = response.json()
             choice = body["choices"][0]
