@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .config import RunOptions
-from .grouping import AuditRecords, ProgressFn, batch_id_base, plan_groups
+from .grouping import AuditRecords, ProgressFn, batch_id_base, wanted_groups
 from .data import Request
 from .divergence import first_divergence
 from .engine.batch_invariant import InvariancePlan, decoding_mode
@@ -35,14 +35,12 @@ def pad_token_id(tokenizer, eos_ids: set[int]) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
 
 
-def solo_groups(model, prompts: list[list[int]], groups: list[list[int]], wanted: Callable[[int], bool],
-                max_new_tokens: int, eos_ids: set[int], device: str):
-    """Yield (group index, group, prompt tensors, solo results) for each wanted group.
+def solo_groups(model, prompts: list[list[int]], groups: list[tuple[int, list[int]]], max_new_tokens: int,
+                eos_ids: set[int], device: str):
+    """Yield (group index, group, prompt tensors, solo results) for each (index, group) given.
 
     Solo references are computed once per group and dropped with it, which bounds memory."""
-    for index, group in enumerate(groups):
-        if not wanted(index):
-            continue
+    for index, group in groups:
         tensors = {i: torch.tensor(prompts[i], dtype=torch.long, device=device) for i in group}
         yield index, group, tensors, {i: run_solo(model, tensors[i], max_new_tokens, eos_ids) for i in group}
 
@@ -66,9 +64,8 @@ def audit_groups(
     With a `plan` (the batch-invariant mode) every batched pass runs under it."""
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
-    groups = plan_groups(prompts, options)
+    groups = wanted_groups(prompts, options, wanted, on_progress)
     group_size = max(options.batch_sizes)
-    on_progress("total", sum(len(group) for index, group in enumerate(groups) if wanted(index)))
 
     def run_batch(members):
         batch_prompts = [tensors[i] for i in members]
@@ -80,8 +77,7 @@ def audit_groups(
         return forced, free
 
     with torch.inference_mode():
-        for index, group, tensors, solos in solo_groups(model, prompts, groups, wanted, max_new_tokens, eos_ids,
-                                                        device):
+        for index, group, tensors, solos in solo_groups(model, prompts, groups, max_new_tokens, eos_ids, device):
             records = AuditRecords()
             records.solo_tokens += sum(len(s.tokens) - 1 for s in solos.values())
             records.solo_seconds += sum(s.decode_seconds for s in solos.values())

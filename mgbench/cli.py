@@ -215,8 +215,9 @@ def endpoint_flips_options(endpoint, served_model, top_logprobs, request_timeout
     for option, given in in_process.items():
         if given:
             raise UserError(f"{given} cannot apply to --endpoint: {BLACK_BOX_REASONS[option]}")
-    return EndpointOptions(endpoint, served_model, 5 if top_logprobs is None else top_logprobs,
-                           300.0 if request_timeout is None else request_timeout, needle, label)
+    given = {"top_logprobs": top_logprobs, "request_timeout": request_timeout}  # None: EndpointOptions' default
+    return EndpointOptions(endpoint, served_model, needle=needle, label=label,
+                           **{name: value for name, value in given.items() if value is not None})
 
 
 def rank_device(device: str) -> str:
@@ -362,6 +363,7 @@ def attach_gate(run, spec, command: str, extra_identity: dict | None = None):
 
     baseline = gate.load_baseline(spec.baseline, command) if spec.baseline is not None else None
     if baseline is not None:
+        run.inputs.append({"role": "baseline", "path": str(baseline.path), "schema_version_read": baseline.schema_version})
         gate.check_baseline(baseline, gate.run_identity({**asdict(run.options), "max_new_tokens": run.max_new_tokens},
                                                         [r.request_id for r in run.requests], extra_identity))
     if spec.active:
@@ -536,13 +538,18 @@ def _run_calibrate(runs, record_options, options, transfer_items, require_flips,
     def is_run(item: str) -> bool:  # a run directory or steps.parquet; anything else names a dataset
         return Path(item).is_dir() or Path(item).suffix == ".parquet"
 
+    inputs = []  # every table read, with the schema version it was written with (older ones are upgraded)
+
     def traces(item: str):
         path = Path(item)
         if is_run(item):
-            return results.read_steps(path), str(path)
-        steps, folder, reused = calibrate_run.traces_for(replace(record_options, dataset=item), record)
-        err_console.print(f"{item}: {'reused cached' if reused else 'recorded'} traces in {folder}", highlight=False)
-        return steps, folder
+            steps, source = results.read_steps(path), str(path)
+        else:
+            steps, source, reused = calibrate_run.traces_for(replace(record_options, dataset=item), record)
+            err_console.print(f"{item}: {'reused cached' if reused else 'recorded'} traces in {source}",
+                              highlight=False)
+        inputs.append({"path": source, "schema_version_read": results.schema_read_from(steps)})
+        return steps, source
 
     if runs:
         tables = [traces(str(run)) for run in runs]
@@ -561,7 +568,8 @@ def _run_calibrate(runs, record_options, options, transfer_items, require_flips,
     device = loaded["lm"].device if "lm" in loaded else "cpu"
     manifest = results.manifest("calibrate", {"runs": [str(r) for r in runs], "record": asdict(record_options),
                                               "safety": str(options.safety), "unit": options.unit,
-                                              "confidence": options.confidence, "transfer": transfer_items}, device)
+                                              "confidence": options.confidence, "transfer": transfer_items}, device,
+                                inputs=inputs)
     calibrate_run.publish(out, document, curves, steps, manifest)
     finish_output(out, document, json_out, lambda: report.render_calibration(console, document))
     if document["flips"] == 0:

@@ -66,7 +66,7 @@ class InProcessEngine:
         return results.manifest("flips", run_options(run), lm.device, {
             "engine": {"kind": "in-process", "label": self.label, "method": self.method},
             "dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source, "dataset_config": asdict(run.config),
-            **({"probe": self.probe.to_dict()} if self.probe is not None else {})})
+            **({"probe": self.probe.to_dict()} if self.probe is not None else {})}, inputs=run.inputs)
 
     def close(self) -> None:
         pass

@@ -35,6 +35,7 @@ class PreparedRun:
     gate: Callable[[dict, dict[str, pa.Table]], dict] | None = None
     endpoint: object | None = None  # EndpointOptions when a served model is audited (else in-process)
     engine_label: str | None = None  # set once the engine is open (summaries name it)
+    inputs: list[dict] = field(default_factory=list)  # recorded runs read (a --baseline), for the manifest
 
     def wanted(self, done: set[int]) -> Callable[[int], bool]:
         """Groups still to decode here: this shard's, less those an interrupted run committed."""

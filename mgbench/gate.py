@@ -139,6 +139,7 @@ class Baseline:
     summary: dict
     steps: pd.DataFrame | None  # flips runs only (teacher-forced flips)
     sequences: pd.DataFrame
+    schema_version: str  # the table schema the baseline was recorded with (older ones are upgraded on read)
 
 
 def load_baseline(path: Path, command: str) -> Baseline:
@@ -156,12 +157,12 @@ def load_baseline(path: Path, command: str) -> Baseline:
     summary = json.loads((path / "summary.json").read_text())
     if command == "flips":
         steps = results.read_run_table(path, "steps", results.STEPS_SCHEMA).to_pandas()
-        sequences = results.read_run_table(path, "sequences", results.SEQUENCES_SCHEMA).to_pandas()
+        sequences = results.read_run_table(path, "sequences", results.SEQUENCES_SCHEMA)
     else:
         from .verify_run import VERIFY_SEQUENCES_SCHEMA
 
-        steps, sequences = None, results.read_run_table(path, "sequences", VERIFY_SEQUENCES_SCHEMA).to_pandas()
-    return Baseline(path, manifest, summary, steps, sequences)
+        steps, sequences = None, results.read_run_table(path, "sequences", VERIFY_SEQUENCES_SCHEMA)
+    return Baseline(path, manifest, summary, steps, sequences.to_pandas(), results.schema_read_from(sequences))
 
 
 def run_identity(options: dict, request_ids: list[int], extra: dict | None = None) -> dict:
@@ -207,7 +208,7 @@ def evaluate(spec: GateSpec, summary: dict, steps: pd.DataFrame | None, sequence
     result = {"thresholds": asdict(spec.thresholds)}
     if baseline is not None:
         tested = regression(steps, sequences, baseline.steps, baseline.sequences, spec.alpha, group)
-        result["baseline"] = {"path": str(baseline.path), **tested}
+        result["baseline"] = {"path": str(baseline.path), "schema_version_read": baseline.schema_version, **tested}
         failures += regression_failures(tested)
     result["failures"] = failures
     result["passed"] = not failures

@@ -43,6 +43,15 @@ def plan_groups(prompts: list[list[int]], options: RunOptions) -> list[list[int]
     return groups_of(order_requests(prompts, options.sort_by_length), max(options.batch_sizes))
 
 
+def wanted_groups(prompts: list[list[int]], options: RunOptions, wanted: Callable[[int], bool],
+                  on_progress: ProgressFn) -> list[tuple[int, list[int]]]:
+    """(group index, group) of every wanted group in decoding order; on_progress first hears the
+    total (requests this process will decode)."""
+    groups = [(index, group) for index, group in enumerate(plan_groups(prompts, options)) if wanted(index)]
+    on_progress("total", sum(len(group) for _, group in groups))
+    return groups
+
+
 def batch_id_base(group_index: int, group_size: int, batches_per_member: int) -> int:
     """First batch id of a group. Each batch holds at least one request, so a group never uses
     more than group_size * batches_per_member ids (out-of-memory splits included), and ids stay

@@ -1,4 +1,5 @@
-"""Needle mode: each audited request at a seeded row among filler requests from the same dataset."""
+"""Batches of a group: consecutive requests, or (needle mode) each audited request at a seeded row
+among filler requests from the same dataset. Shared by verify and the endpoint audit."""
 
 from __future__ import annotations
 
@@ -20,3 +21,18 @@ def filler_prompts(run, tokenizer, count: int) -> list[list[int]]:
     pool = [i for i in range(len(records)) if i not in chosen] or [r.request_id for r in run.requests]
     picks = random.Random(run.options.seed + 1).sample(pool, min(count, len(pool)))
     return [data.encode(tokenizer, run.config, data.prompt_text(run.config, records[i])) for i in picks]
+
+
+def batch_layouts(group: list[int], batch_size: int, needle: bool, requests, filler_count: int, seed: int):
+    """Yield (audited request indices, their rows, the batch's slots) per batch of one group at one
+    batch size; a slot is ("request", request index) or ("filler", filler index)."""
+    if not needle:
+        for start in range(0, len(group), batch_size):
+            members = group[start : start + batch_size]
+            yield members, list(range(len(members))), [("request", i) for i in members]
+        return
+    for i in group:
+        row, picks = needle_layout(requests[i].request_id, batch_size, filler_count, seed)
+        slots = [("filler", p) for p in picks]
+        slots.insert(row, ("request", i))
+        yield [i], [row], slots

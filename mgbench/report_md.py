@@ -163,6 +163,15 @@ def engines_side_by_side(runs: list[Path]) -> list[str]:
          "batched tok/s"], rows)
 
 
+def schema_note(version) -> str:
+    """Which table schema a run was written with; an older one is upgraded on read."""
+    from . import SCHEMA_VERSION
+
+    if version is None or str(version) == SCHEMA_VERSION:
+        return f"schema {version or '-'}"
+    return f"schema {version} (read as {SCHEMA_VERSION})"
+
+
 def _run_lines(run: Path, kind: str, out: Path, prefix: str) -> list[str]:
     manifest = _read_json(run / "manifest.json")
     options = dict(manifest.get("options", {}))
@@ -172,7 +181,8 @@ def _run_lines(run: Path, kind: str, out: Path, prefix: str) -> list[str]:
     return [f"## {kind}: {run.name}", "",
             f"model `{options.get('model', '-')}`, dataset `{options.get('dataset', '-')}`, device "
             f"{manifest.get('device_name', '-')}, torch {manifest.get('torch', '-')}, transformers "
-            f"{manifest.get('transformers', '-')}, mgbench git {str(manifest.get('git_revision', '-'))[:10]}", "",
+            f"{manifest.get('transformers', '-')}, mgbench git {str(manifest.get('git_revision', '-'))[:10]}, "
+            f"{schema_note(manifest.get('schema_version'))}", "",
             f"Command: `{' '.join(manifest.get('argv', []))}`", ""] + SECTIONS[kind](run, out, prefix)
 
 

@@ -105,8 +105,57 @@ def sequences_table(rows: list[dict], model: str, policy: str = "none") -> pa.Ta
     return pa.Table.from_pylist(full, schema=SEQUENCES_SCHEMA)
 
 
+# Every schema version this project has written, oldest first. A table of an older version is
+# upgraded on read, so runs recorded by an earlier release (CI baselines among them) stay usable.
+READABLE_VERSIONS = ("1", SCHEMA_VERSION)
+# The key under which an upgraded table remembers the version it was read from.
+READ_FROM_KEY = b"mgbench.schema_version_read"
+
+
+def _with_column(table: pa.Table, name: str, array: pa.Array, expected: pa.Schema) -> pa.Table:
+    """`table` plus column `name`, placed where `expected` has it."""
+    index = expected.names.index(name)
+    before = [n for n in expected.names[:index] if n in table.schema.names]
+    position = table.schema.get_field_index(before[-1]) + 1 if before else 0
+    return table.add_column(position, pa.field(name, array.type), array)
+
+
+def upgrade_v1(table: pa.Table, expected: pa.Schema) -> pa.Table:
+    """Schema 1 -> 2. Only the steps table changed: it gained `method` (every v1 run was the
+    in-process engine's, so teacher-forced) and `logprob_drift` (not measured then: null)."""
+    rows = table.num_rows
+    if "method" in expected.names and "method" not in table.schema.names:
+        table = _with_column(table, "method", pa.array(["teacher-forced"] * rows, pa.string()), expected)
+    if "logprob_drift" in expected.names and "logprob_drift" not in table.schema.names:
+        table = _with_column(table, "logprob_drift", pa.nulls(rows, pa.float32()), expected)
+    return table
+
+
+UPGRADES = {"1": upgrade_v1}  # version -> the function that lifts it to the next version
+
+
+def upgrade(table: pa.Table, version: str, expected: pa.Schema) -> pa.Table:
+    """A table of an older readable version, brought to this version; it remembers the version it
+    was read from under READ_FROM_KEY."""
+    read_from = version
+    while version != SCHEMA_VERSION:
+        table = UPGRADES[version](table, expected)
+        version = READABLE_VERSIONS[READABLE_VERSIONS.index(version) + 1]
+    metadata = {**(table.schema.metadata or {}), SCHEMA_KEY: SCHEMA_VERSION.encode(), READ_FROM_KEY: read_from.encode()}
+    return table.replace_schema_metadata(metadata)
+
+
+def schema_read_from(table) -> str:
+    """The schema version a table (Arrow, or pandas from `read_steps`) was written with."""
+    if hasattr(table, "attrs"):
+        return table.attrs.get("schema_version_read", SCHEMA_VERSION)
+    metadata = table.schema.metadata or {}
+    return metadata.get(READ_FROM_KEY, metadata.get(SCHEMA_KEY, SCHEMA_VERSION.encode())).decode()
+
+
 def read_table(path: Path, expected: pa.Schema) -> pa.Table:
-    """Read a table written by mgbench, refusing foreign or newer-schema files with a clear error."""
+    """Read a table written by mgbench, upgrading older schema versions and refusing foreign or
+    newer-schema files with a clear error."""
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowInvalid) as exc:
@@ -114,8 +163,15 @@ def read_table(path: Path, expected: pa.Schema) -> pa.Table:
     version = (table.schema.metadata or {}).get(SCHEMA_KEY)
     if version is None:
         raise UserError(f"{path} was not written by mgbench (no {SCHEMA_KEY.decode()} metadata)")
-    if version.decode() != SCHEMA_VERSION:
-        raise UserError(f"{path} has schema version {version.decode()}; this mgbench reads {SCHEMA_VERSION}")
+    version = version.decode()
+    if version not in READABLE_VERSIONS:
+        newer = version.isdigit() and int(version) > int(SCHEMA_VERSION)
+        raise UserError(f"{path} has schema version {version}"
+                        + (", newer than" if newer else "; unknown to")
+                        + f" this mgbench (it reads versions {', '.join(READABLE_VERSIONS)})"
+                        + ("; upgrade mgbench to read it" if newer else ""))
+    if version != SCHEMA_VERSION:
+        table = upgrade(table, version, expected)
     missing = [name for name in expected.names if name not in table.schema.names]
     if missing:
         raise UserError(f"{path} lacks columns {', '.join(missing)}")
@@ -203,10 +259,14 @@ def read_run_table(run: Path, name: str, expected: pa.Schema) -> pa.Table:
 def read_steps(run: Path):
     """The steps table (pandas) of a run directory (sharded or not) or of a steps.parquet path."""
     if run.is_dir():
-        return read_run_table(run, "steps", STEPS_SCHEMA).to_pandas()
-    if not run.exists():
+        table = read_run_table(run, "steps", STEPS_SCHEMA)
+    elif not run.exists():
         raise UserError(f"{run} does not exist")
-    return read_table(run, STEPS_SCHEMA).to_pandas()
+    else:
+        table = read_table(run, STEPS_SCHEMA)
+    steps = table.to_pandas()
+    steps.attrs["schema_version_read"] = schema_read_from(table)
+    return steps
 
 
 def git_revision() -> str:
@@ -229,7 +289,19 @@ def device_name(device: str) -> str:
     return f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})"
 
 
-def manifest(command: str, options: dict, device: str, extra: dict | None = None) -> dict:
+# The variables that choose torch's and oneDNN's CPU kernels (`make test-matrix` sets them): a
+# run's figures hold for the kernel family it ran under.
+KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+def kernel_environment() -> dict:
+    return {name: os.environ.get(name) for name in KERNEL_VARIABLES}
+
+
+def manifest(command: str, options: dict, device: str, extra: dict | None = None,
+             inputs: list[dict] | None = None) -> dict:
+    """The manifest of a run. `inputs`: the recorded tables it was produced from (a baseline,
+    calibration traces), each with the schema version it was read with."""
     import torch
     import transformers
 
@@ -246,6 +318,8 @@ def manifest(command: str, options: dict, device: str, extra: dict | None = None
         "device": device,
         "device_name": device_name(device),
         "torch_threads": torch.get_num_threads(),
+        "kernel_environment": kernel_environment(),
+        "inputs": inputs or [],
         "git_revision": git_revision(),
         **(extra or {}),
     }

@@ -14,12 +14,12 @@ import torch
 from . import SCHEMA_VERSION, analysis, data, results
 from .divergence import first_divergence
 from .audit import eos_token_ids, pad_token_id, solo_groups
-from .grouping import ProgressFn, batch_id_base, plan_groups
+from .grouping import ProgressFn, batch_id_base, wanted_groups
 from .engine.batch_invariant import InvariancePlan, decoding_mode
 from .engine.policies import PolicySpec
 from .engine.runners import row_prefills, run_free
 from .flips import PreparedRun, fingerprint, with_gate
-from .needle import filler_prompts, needle_layout
+from .needle import batch_layouts, filler_prompts
 from .parts import RunWriter, finish_run
 from .oom import SplitFn, recording_splits, run_splitting_on_oom
 from .results import PLACEMENT_FIELDS, SCHEMA_KEY, TOKEN_IDS
@@ -64,12 +64,10 @@ def verify_groups(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, w
     prompts = [data.encode(tokenizer, run.config, r.text) for r in run.requests]
     fillers = filler_prompts(run, tokenizer, 16) if needle else []
     filler_tensors = [torch.tensor(p, dtype=torch.long, device=device) for p in fillers]
-    groups = plan_groups(prompts, options)
+    groups = wanted_groups(prompts, options, wanted, on_progress)
     group_size = max(options.batch_sizes)
-    on_progress("total", sum(len(group) for index, group in enumerate(groups) if wanted(index)))
     with torch.inference_mode():
-        for index, group, tensors, solos in solo_groups(model, prompts, groups, wanted, run.max_new_tokens, eos_ids,
-                                                        device):
+        for index, group, tensors, solos in solo_groups(model, prompts, groups, run.max_new_tokens, eos_ids, device):
             on_progress("solo", len(group))
             records = VerifyRecords()
             batch_id = batch_id_base(index, group_size, len(options.batch_sizes) * len(specs))
@@ -132,21 +130,13 @@ def _run_batch(model, run, spec, pad_id, eos_ids, batch: Batch, plan: Invariance
 
 
 def _batches(group, batch_size, tensors, solos, needle, fillers, run, seed):
-    """The batches of one group at one batch size: consecutive requests, or (needle mode) each
-    request at a seeded row among fillers."""
-    if not needle:
-        for start in range(0, len(group), batch_size):
-            members = group[start : start + batch_size]
-            yield Batch(members, list(range(len(members))), [tensors[i] for i in members],
-                        [solos[i].row_prefill for i in members], [solos[i].logits for i in members])
-        return
-    for i in group:
-        row, picks = needle_layout(run.requests[i].request_id, batch_size, len(fillers), seed)
-        prompts = [fillers[p] for p in picks]
-        prompts.insert(row, tensors[i])
-        prefills, logits = [None] * batch_size, [None] * batch_size
-        prefills[row], logits[row] = solos[i].row_prefill, solos[i].logits
-        yield Batch([i], [row], prompts, prefills, logits)
+    """The batches of one group at one batch size (needle.batch_layouts), with every row's prompt
+    and, for the verified rows, their solo references."""
+    for members, rows, slots in batch_layouts(group, batch_size, needle, run.requests, len(fillers), seed):
+        references = [solos[j] if kind == "request" else None for kind, j in slots]
+        yield Batch(members, rows, [tensors[j] if kind == "request" else fillers[j] for kind, j in slots],
+                    [None if solo is None else solo.row_prefill for solo in references],
+                    [None if solo is None else solo.logits for solo in references])
 
 
 def _append(records, run, spec, batch_id, row, batch_size, free, prompt, request_id, solo_ids):
@@ -236,5 +226,5 @@ def record_verify(lm, run: PreparedRun, specs: list[PolicySpec], needle: bool, r
                                            "needle": needle, "require_determinism": required,
                                            "shard": str(run.shard)}, lm.device,
                                 {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source,
-                                 **({"probe": probe.to_dict()} if probe is not None else {})})
+                                 **({"probe": probe.to_dict()} if probe is not None else {})}, inputs=run.inputs)
     return finish_run(writer, SCHEMAS, summarize_run, manifest)

@@ -24,11 +24,30 @@ def math500_prompts(default_lm):
     return [data.encode(default_lm.tokenizer, config, data.prompt_text(config, r)) for r in records]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def planted_folders_load_planted():
+    """In-process CLI runs load a model folder that carries the plant marker with its planted
+    head (helpers.plant_from_marker); every other folder loads as it is."""
+    from helpers import plant_from_marker
+    from mgbench import models
+
+    load = models.load_model
+
+    def load_and_plant(*args, **kwargs):
+        lm = load(*args, **kwargs)
+        plant_from_marker(lm)
+        return lm
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(models, "load_model", load_and_plant)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_lm):
     """A random-init Llama with the default model's tokenizer, saved as a local model folder.
-    Planted near-tie rows make its batched decoding flip wherever the batch changes a last bit
-    (`tiny_probe` measures whether it does on this machine)."""
+    Planted near-tie rows put every step's top-2 within about 0.012 logit; whether this
+    machine's batched kernels turn that into flips is measured, never assumed."""
     folder = tmp_path_factory.mktemp("tiny-model")
     from helpers import plant_near_ties, tiny_llama
 
@@ -40,17 +59,18 @@ def tiny_model_dir(tmp_path_factory, default_lm):
     return folder
 
 
-
-
 @pytest.fixture(scope="session")
-def tiny_probe(tiny_model_dir):
-    """The probe of the tiny model on this machine: what varies here, and so which controls hold."""
-    from mgbench import data
-    from mgbench.engine.probe import probe_model
-    from mgbench.models import load_model
+def planted_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model folder with PLANTED VARIANCE: its lm_head, called with more than one row,
+    moves the argmax to the runner-up wherever the margin is below 1 logit (every step here, by
+    the planted near-ties). Batched decoding flips at every step of every row on any machine;
+    solo decoding, batch-of-one references and the batch-invariant mode's per-row head do not."""
+    import json
+    import shutil
 
-    lm = load_model(str(tiny_model_dir), "bf16", "cpu", "sdpa")
-    config = data.load_config("gsm8k")
-    records = data.read_records(config)[:6]
-    prompt = max((data.encode(lm.tokenizer, config, data.prompt_text(config, r)) for r in records), key=len)
-    return probe_model(lm.model, __import__("torch").tensor(prompt), rows=16)
+    from helpers import PLANT_MARKER
+
+    folder = tmp_path_factory.mktemp("planted") / "tiny-planted"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / PLANT_MARKER).write_text(json.dumps({"module": "lm_head", "delta": 1.0, "invariant_up_to": 1}))
+    return folder

@@ -26,45 +26,128 @@ def plant_near_ties(model, eps: float = 0.0005, seed: int = 1) -> None:
         w[1::2] = w[0::2] + eps * torch.randn(w[1::2].shape, generator=g).to(w.dtype)
 
 
-class BatchedRunnerUpNudge(torch.nn.Module):
-    """DETERMINISTIC TEST PERTURBATION: wraps lm_head and, only when called with more than one row,
-    raises each position's runner-up logit by `delta`. Batched decoding then flips exactly where
-    its margin is below `delta`, on any hardware."""
-
-    def __init__(self, lm_head: torch.nn.Module, delta: float):
-        super().__init__()
-        self.lm_head, self.delta = lm_head, delta
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        if hidden.shape[0] > 1:
-            runner_up = logits.topk(2, dim=-1).indices[..., 1:]
-            logits = logits.scatter_add(-1, runner_up, torch.full_like(runner_up, self.delta, dtype=logits.dtype))
-        return logits
-
-
 def random_prompts(lengths, vocab: int, seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
 
 
 class RowCountPerturbedLinear(torch.nn.Linear):
-    """DETERMINISTIC TEST PERTURBATION: a linear layer whose result depends on the row count, as
-    the bf16 GEMMs of some CPUs do: called with more than `invariant_up_to` rows, every output is
-    offset by `delta`. Stands in for a varying kernel on machines where none varies."""
+    """PLANTED VARIANCE: a linear layer whose result depends on the row count, as the bf16 GEMMs of
+    some CPUs do: called with more than `invariant_up_to` rows, every output is offset by `delta`.
+    Stands in for a varying kernel on machines where none varies."""
 
     def __init__(self, linear: torch.nn.Linear, invariant_up_to: int, delta: float = 0.01):
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                         dtype=linear.weight.dtype)
+                         dtype=linear.weight.dtype, device=linear.weight.device)
         self.load_state_dict(linear.state_dict())
         self.invariant_up_to, self.delta = invariant_up_to, delta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
-        return out + self.delta if x.shape[0] > self.invariant_up_to else out
+        return self.perturb(out) if x.shape[0] > self.invariant_up_to else out
+
+    def perturb(self, out: torch.Tensor) -> torch.Tensor:
+        return out + self.delta
 
 
-def measured_plain_varies(probe) -> str:
-    """The fact a positive control rests on, for its assertion message."""
-    return (f"the probe measured plain batched decoding differing from solo on this machine "
-            f"({probe.machine['cpu']}, {probe.machine['cpu_capability']}): rows {probe.plain_rows_differing}")
+def runner_up_past_top(logits: torch.Tensor, below: float) -> torch.Tensor:
+    """Where a position's top-1/top-2 margin is below `below`, its runner-up logit becomes one step
+    (of the logits' dtype) above the top-1: the argmax moves there, certainly, at a margin of one ulp."""
+    top = logits.topk(2, dim=-1)
+    first, second = top.values[..., 0], top.values[..., 1]
+    above = torch.nextafter(first, torch.full_like(first, float("inf")))
+    raised = torch.where(first - second < below, above, second)
+    return logits.scatter(-1, top.indices[..., 1:], raised.unsqueeze(-1))
+
+
+class RowCountNudgedHead(RowCountPerturbedLinear):
+    """PLANTED VARIANCE, certain on any machine: an lm_head that, called with more than
+    `invariant_up_to` rows, moves the argmax to the runner-up wherever the margin is below `delta`.
+    Batched decoding then flips exactly at the steps whose margin is below `delta` (every step
+    for a large delta), solo decoding and batch-of-one references never."""
+
+    def perturb(self, out: torch.Tensor) -> torch.Tensor:
+        return runner_up_past_top(out, self.delta)
+
+
+PLANT_MARKER = "mgbench-test-plant.json"  # a model folder carrying it is loaded with its planted head
+
+
+def plant_nudged_head(model, delta: float, invariant_up_to: int = 1) -> None:
+    model.lm_head = RowCountNudgedHead(model.lm_head, invariant_up_to=invariant_up_to, delta=delta)
+
+
+def plant_from_marker(lm) -> None:
+    """TEST-ONLY LOADER HOOK: a local model folder with PLANT_MARKER gets the head it describes."""
+    import json
+    from pathlib import Path
+
+    marker = Path(lm.source) / PLANT_MARKER
+    if marker.is_file():
+        plant = json.loads(marker.read_text())
+        plant_nudged_head(lm.model, plant["delta"], plant["invariant_up_to"])
+
+
+# --- independent computations: plain HF calls, none of mgbench's engine -------------------------
+
+def plain_solo(model, prompt: torch.Tensor, steps: int, pad_id: int = 0):
+    """Greedy solo decoding by HF generate: (tokens [steps], logits [steps, vocab])."""
+    with torch.inference_mode():
+        out = model.generate(prompt.view(1, -1), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                             pad_token_id=pad_id, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):], torch.stack([step[0] for step in out.logits])
+
+
+def _alone_prefilled_cache(model, prompts):
+    """Each prompt prefilled alone by a plain forward, the caches left-padded with zeros into one."""
+    from transformers import DynamicCache
+
+    total = max(len(p) for p in prompts)
+    logits, per_row = [], []
+    for p in prompts:
+        out = model(input_ids=p.view(1, -1), use_cache=True, logits_to_keep=1)
+        logits.append(out.logits[0, -1])
+        per_row.append([(layer.keys, layer.values) for layer in out.cache.layers])
+    cache = DynamicCache(config=model.config)
+    for layer in range(len(per_row[0])):
+        pad = lambda t, n: torch.nn.functional.pad(t, (0, 0, total - n, 0))
+        keys = torch.cat([pad(rows[layer][0], len(p)) for rows, p in zip(per_row, prompts)])
+        values = torch.cat([pad(rows[layer][1], len(p)) for rows, p in zip(per_row, prompts)])
+        cache.update(keys, values, layer)
+    return torch.stack(logits), cache
+
+
+def plain_teacher_forced(model, prompts, solo_tokens: torch.Tensor, prefill: str = "batched"):
+    """Batched logits [B, steps, vocab] of a left-padded batch fed the solo tokens, by plain HF
+    forward calls: one left-padded prefill (`batched`) or each prompt prefilled alone (`alone`)."""
+    total = max(len(p) for p in prompts)
+    mask = torch.zeros((len(prompts), total), dtype=torch.long)
+    ids = torch.zeros_like(mask)
+    for row, p in enumerate(prompts):
+        ids[row, total - len(p):], mask[row, total - len(p):] = p, 1
+    lengths = torch.tensor([len(p) for p in prompts])
+    with torch.inference_mode():
+        if prefill == "alone":
+            first, cache = _alone_prefilled_cache(model, prompts)
+        else:
+            out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                        use_cache=True, logits_to_keep=1)
+            first, cache = out.logits[:, -1], out.cache
+        logits = [first]
+        for step in range(1, solo_tokens.shape[1]):
+            mask = torch.cat([mask, torch.ones((len(prompts), 1), dtype=torch.long)], dim=1)
+            out = model(input_ids=solo_tokens[:, step - 1 : step], attention_mask=mask,
+                        position_ids=(lengths + step - 1).view(-1, 1), cache=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, dim=1)
+
+
+def plain_flip_audit(model, prompts, steps: int, prefill: str = "batched") -> dict:
+    """Flips of one batch recomputed independently: solo by HF generate, batched by plain forwards."""
+    solos = [plain_solo(model, p, steps) for p in prompts]
+    solo_tokens = torch.stack([tokens for tokens, _ in solos])
+    solo_logits = torch.stack([logits for _, logits in solos])
+    batched = plain_teacher_forced(model, prompts, solo_tokens, prefill)
+    flipped = batched.argmax(-1) != solo_tokens
+    return {"solo_tokens": solo_tokens, "batched_token": batched.argmax(-1), "flipped": flipped,
+            "max_abs_logit_diff": (batched.float() - solo_logits.float()).abs().amax(-1)}

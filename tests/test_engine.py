@@ -4,7 +4,7 @@ negative and positive controls, exact cache operations."""
 import pytest
 import torch
 
-from helpers import BatchedRunnerUpNudge, measured_plain_varies, plant_near_ties, random_prompts, tiny_llama
+from helpers import plain_flip_audit, plant_near_ties, plant_nudged_head, random_prompts, tiny_llama
 from mgbench.engine import cache as cache_ops
 from mgbench.engine.decode import prefill_alone
 from mgbench.engine.runners import run_free, run_solo, run_teacher_forced
@@ -31,86 +31,85 @@ def test_solo_runner_reproduces_hf_generate_on_default_model(default_lm, math500
         assert ours == theirs[0, len(ids):].tolist()
 
 
-def independent_teacher_forced_argmax(model, prompts, solo_tokens):
-    """A plain loop over HF forward calls: one left-padded prefill, then the solo tokens fed one by one."""
-    total = max(len(p) for p in prompts)
-    ids = torch.zeros((len(prompts), total), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, total - len(p):] = p
-        mask[row, total - len(p):] = 1
-    lengths = torch.tensor([len(p) for p in prompts])
-    with torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
-        argmax, cache = [out.logits[:, -1].argmax(-1)], out.cache
-        for step in range(1, solo_tokens.shape[1]):
-            mask = torch.cat([mask, torch.ones((len(prompts), 1), dtype=torch.long)], dim=1)
-            out = model(input_ids=solo_tokens[:, step - 1 : step], attention_mask=mask,
-                        position_ids=(lengths + step - 1).view(-1, 1), cache=cache, use_cache=True)
-            argmax.append(out.logits[:, -1].argmax(-1))
-    return torch.stack(argmax, dim=1)
+def engine_columns(result, name):
+    return torch.stack([torch.from_numpy(row[name]) for row in result.rows])
+
+
+def near_tie_model():
+    model = tiny_llama()
+    plant_near_ties(model)
+    return model
 
 
 def test_teacher_forced_flips_agree_with_independent_loop():
-    model = tiny_llama()
-    model.lm_head = BatchedRunnerUpNudge(model.lm_head, delta=0.05)
+    """Positive control by construction: near-ties planted, and a head that moves the argmax to the
+    runner-up wherever the margin is below 0.05 when called with more than one row. Every batched
+    step flips on any machine; the engine's figures equal plain HF calls on the same batch."""
+    model = near_tie_model()
+    plant_nudged_head(model, delta=0.05)
     prompts = random_prompts([12, 17, 9, 21], vocab=8192)
     steps = 16
-    # Solo tokens from HF generate, independently of the engine.
-    with torch.inference_mode():
-        solo_tokens = torch.stack([
-            model.generate(p.view(1, -1), max_new_tokens=steps, do_sample=False, pad_token_id=PAD_ID)[0, len(p):]
-            for p in prompts
-        ])
+    independent = plain_flip_audit(model, prompts, steps)
     solos = solos_of(model, prompts, steps)
-    assert torch.equal(torch.stack([s.tokens for s in solos]), solo_tokens)
-
-    expected = independent_teacher_forced_argmax(model, prompts, solo_tokens)
+    assert torch.equal(torch.stack([s.tokens for s in solos]), independent["solo_tokens"])
     with torch.inference_mode():
         result = run_teacher_forced(model, prompts, solos, "batched", PAD_ID)
-    engine_batched = torch.stack([torch.from_numpy(r["batched_token"]) for r in result.rows])
-    engine_flips = torch.stack([torch.from_numpy(r["flipped"]) for r in result.rows])
-    assert torch.equal(engine_batched, expected)
-    assert torch.equal(engine_flips, expected != solo_tokens)
-    assert engine_flips.sum() > 0, "the nudge must produce flips, otherwise this test proves nothing"
-    margins = torch.cat([torch.from_numpy(r["solo_margin"]) for r in result.rows])
-    assert (margins[engine_flips.flatten()] < 0.05 + 0.01).all()  # flips only where the nudge can reach
-
-
-@pytest.fixture(scope="module")
-def planted():
-    """The tiny planted model and its probe on this machine (32 rows: pads 0-31)."""
-    from mgbench.engine.probe import probe_model
-
-    model = tiny_llama()
-    plant_near_ties(model)
-    with torch.inference_mode():
-        probe = probe_model(model, random_prompts([40], vocab=8192, seed=7)[0], rows=32)
-    return model, probe
-
-
-def row_count_varying(probe) -> list[str]:
-    return [f.name for f in probe.findings if f.axis == "rows" and not f.invariant]
+    assert torch.equal(engine_columns(result, "batched_token"), independent["batched_token"])
+    assert torch.equal(engine_columns(result, "flipped"), independent["flipped"])
+    assert engine_columns(result, "flipped").all(), "every near-tie step is nudged past its runner-up"
 
 
 @pytest.mark.parametrize("prefill", ["alone", "batched"])
-def test_negative_control_equal_lengths(planted, prefill):
-    """No padding: the batch equals solo bitwise where the probe finds no op varying with the row
-    count on this machine; where one does, the batch differs (asserted as measured)."""
-    model, probe = planted
-    prompts = random_prompts([16, 16, 16, 16], vocab=8192, seed=3)
+def test_batch_of_one_equals_solo_by_construction(prefill):
+    """Negative control: the batched path with one unpadded row runs solo's own computation."""
+    model = near_tie_model()
+    prompts = random_prompts([16], vocab=8192, seed=3)
     solos = solos_of(model, prompts, 24)
     with torch.inference_mode():
         result = run_teacher_forced(model, prompts, solos, prefill, PAD_ID)
         free = run_free(model, prompts, [s.row_prefill for s in solos], prefill, PAD_ID, 24, set())
-    assert result.pad_lens == [0, 0, 0, 0]
-    bitwise = all(row["max_abs_logit_diff"].max() == 0.0 and row["kv_delta_max"].max() == 0.0 for row in result.rows)
-    varying = row_count_varying(probe)
-    assert bitwise == (not varying), (f"ops varying with the row count here: {varying or 'none'}; the unpadded "
-                                      f"batch {'equals' if bitwise else 'differs from'} solo")
-    if bitwise:
-        assert not any(row["flipped"].any() for row in result.rows)
-        assert all(f == s.tokens.tolist() for f, s in zip(free.tokens, solos))
+    assert result.rows[0]["max_abs_logit_diff"].max() == 0.0 and result.rows[0]["kv_delta_max"].max() == 0.0
+    assert not result.rows[0]["flipped"].any()
+    assert free.tokens[0] == solos[0].tokens.tolist()
+
+
+@pytest.mark.parametrize("lengths", [[16, 16, 16, 16], [12, 17, 20, 25, 9, 28, 4, 21]], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("prefill", ["alone", "batched"])
+def test_natural_batch_agrees_with_independent_loop(lengths, prefill, capsys):
+    """What this machine's kernels do to a real batch (near-ties planted, nothing else) is printed and
+    asserted only as agreement: the engine's logit differences and flips equal plain HF calls on
+    exactly these batches; where the batch equals solo, free-running decoding equals it too."""
+    model = near_tie_model()
+    prompts = random_prompts(lengths, vocab=8192, seed=3)
+    independent = plain_flip_audit(model, prompts, 24, prefill)
+    solos = solos_of(model, prompts, 24)
+    with torch.inference_mode():
+        result = run_teacher_forced(model, prompts, solos, prefill, PAD_ID)
+        free = run_free(model, prompts, [s.row_prefill for s in solos], prefill, PAD_ID, 24, set())
+    diff = engine_columns(result, "max_abs_logit_diff")
+    assert torch.equal(diff, independent["max_abs_logit_diff"])
+    assert torch.equal(engine_columns(result, "flipped"), independent["flipped"])
+    for row, solo in enumerate(solos):
+        if diff[row].max() == 0:
+            assert free.tokens[row] == solo.tokens.tolist(), f"row {row} equals solo at every step"
+    with capsys.disabled():
+        print(f"\n[this machine] {prefill} prefill, pads {result.pad_lens}: rows differing from solo "
+              f"{[r for r in range(len(prompts)) if diff[r].max() > 0]}, flips {int(independent['flipped'].sum())}")
+
+
+def test_planted_padded_batch_flips_and_diverges():
+    """Positive control by construction for free-running decoding: the planted head flips every
+    multi-row step of the near-tie model, so a padded batch diverges from solo on any machine."""
+    model = near_tie_model()
+    plant_nudged_head(model, delta=1.0)
+    prompts = random_prompts([12, 17, 20, 25, 9, 28, 4, 21], vocab=8192)
+    solos = solos_of(model, prompts, 32)
+    with torch.inference_mode():
+        result = run_teacher_forced(model, prompts, solos, "alone", PAD_ID)
+        free = run_free(model, prompts, [s.row_prefill for s in solos], "alone", PAD_ID, 32, set())
+    # Step 0 is each row's prefill alone (one row): the plant starts at step 1.
+    assert all(row["flipped"][1:].all() and not row["flipped"][0] for row in result.rows)
+    assert all(tokens[1] != solo.tokens[1] for tokens, solo in zip(free.tokens, solos))
 
 
 def test_probe_accounts_for_every_row_that_differs():
@@ -125,26 +124,6 @@ def test_probe_accounts_for_every_row_that_differs():
     assert probe.exact and probe.invariant_rows_differing == []
     ops = {f.op for f in probe.findings}
     assert {"linear", "lm_head", "norm", "activation", "embedding", "attention", "argmax", "decode step"} <= ops
-
-
-def test_positive_control_chosen_by_the_probe_of_this_machine(planted):
-    """Where the probe measures plain batched decoding differing from solo, a padded batch of the
-    planted model differs, flips and diverges; where it measures nothing, the batch equals solo."""
-    model, probe = planted
-    prompts = random_prompts([12, 17, 20, 25, 9, 28, 4, 21], vocab=8192)
-    solos = solos_of(model, prompts, 32)
-    with torch.inference_mode():
-        result = run_teacher_forced(model, prompts, solos, "alone", PAD_ID)
-        free = run_free(model, prompts, [s.row_prefill for s in solos], "alone", PAD_ID, 32, set())
-    differs = [r for r, row in enumerate(result.rows) if row["max_abs_logit_diff"].max() > 0]
-    if not probe.varies:
-        assert not differs, "the probe found nothing varying on this machine, so the batch must equal solo"
-        return
-    assert differs, measured_plain_varies(probe)
-    assert sum(int(result.rows[r]["flipped"].sum()) for r in differs) > 0, \
-        f"{measured_plain_varies(probe)}, and the planted near-ties turn that into flips"
-    assert any(free.tokens[r] != solos[r].tokens.tolist() for r in differs), \
-        "plain batched free-running decoding must diverge somewhere (negative control for verify)"
 
 
 def test_cache_row_slice_and_column_overwrite_are_exact():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..grouping import AuditRecords, batch_id_base
 from ..divergence import Decoded, first_divergence, first_divergence_columns, repeat_agreement
-from ..needle import needle_layout
+from ..needle import batch_layouts
 from .client import EndpointClient, release_together
 
 NO_PAD = None  # a server's padding (if any) is not visible through its API: null in the tables
@@ -69,20 +69,6 @@ async def _solo_pass(client: EndpointClient, members, prompts, texts, max_new_to
     return results, tokens, seconds
 
 
-def _batches(group, batch_size, needle, fillers, requests, seed):
-    """(audited request indices, rows of them, prompts of the batch as (ids, text)) per batch."""
-    if not needle:
-        for start in range(0, len(group), batch_size):
-            members = group[start : start + batch_size]
-            yield members, list(range(len(members))), [("request", i) for i in members]
-        return
-    for i in group:
-        row, picks = needle_layout(requests[i].request_id, batch_size, len(fillers), seed)
-        batch = [("filler", p) for p in picks]
-        batch.insert(row, ("request", i))
-        yield [i], [row], batch
-
-
 async def audit_group(client: EndpointClient, index: int, group: list[int], run, prompts: list[list[int]],
                       texts: list[str], fillers: list[tuple[list[int], str]], on_progress) -> AuditRecords:
     """Records of one group: solo, batched at every size, solo again (see the module doc)."""
@@ -93,8 +79,8 @@ async def audit_group(client: EndpointClient, index: int, group: list[int], run,
     batch_id = batch_id_base(index, max(options.batch_sizes), len(options.batch_sizes))
     batched_results = []
     for batch_size in options.batch_sizes:
-        for members, rows, batch in _batches(group, batch_size, run.endpoint.needle, fillers, run.requests,
-                                             options.seed):
+        for members, rows, batch in batch_layouts(group, batch_size, run.endpoint.needle, run.requests,
+                                                  len(fillers), options.seed):
             def call(kind, j):
                 ids, text = (prompts[j], texts[j]) if kind == "request" else fillers[j]
                 return lambda: client.complete(ids, text, run.max_new_tokens)

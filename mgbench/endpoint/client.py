@@ -185,7 +185,6 @@ class EndpointClient:
         """Discover the server and check, with one short completion, that it takes token-id
         prompts (else text, said in the manifest) and returns top-k logprobs by token id."""
         info = await self.discover()
-        self.info = None  # no resume hint yet: nothing has been committed
         body = self._body(info.served_model, first_prompt, 2)
         response = await self._request("POST", "/completions", "the first completion", json=body)
         if response.status_code == 400 and _refuses_token_ids(server_message(response)):

@@ -8,6 +8,7 @@ from importlib.metadata import version as package_version
 
 from .. import data
 from ..engines import run_options
+from ..grouping import wanted_groups
 from ..needle import filler_prompts
 from .audit import audit_group
 from .client import EndpointClient, EndpointOptions, ServerInfo
@@ -44,31 +45,25 @@ class EndpointEngine:
         return self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
     def audit(self, run, prompts, wanted, on_progress, on_split):
-        from ..grouping import plan_groups
-
         texts = [self.text(p) for p in prompts] if self.info.prompt_format == "text" else [""] * len(prompts)
         fillers = []
         if run.endpoint.needle:
             filler_ids = filler_prompts(run, self.tokenizer, FILLERS)
             fillers = [(ids, self.text(ids) if self.info.prompt_format == "text" else "") for ids in filler_ids]
-        groups = plan_groups(prompts, run.options)
-        on_progress("total", sum(len(group) for index, group in enumerate(groups) if wanted(index)))
-        for index, group in enumerate(groups):
-            if wanted(index):
-                yield index, self.loop.run_until_complete(
-                    audit_group(self.client, index, group, run, prompts, texts, fillers, on_progress))
+        for index, group in wanted_groups(prompts, run.options, wanted, on_progress):
+            yield index, self.loop.run_until_complete(
+                audit_group(self.client, index, group, run, prompts, texts, fillers, on_progress))
 
     def manifest(self, run) -> dict:
         from .. import results
 
-        document = results.manifest("flips", run_options(run), "endpoint", {
+        return results.manifest("flips", run_options(run), "endpoint", {
             "engine": {"kind": "endpoint", "label": self.label, "method": self.method},
             "endpoint": {**self.info.to_dict(), "top_logprobs": self.options.top_logprobs,
                          "request_timeout_s": self.options.request_timeout, "needle": self.options.needle},
             "model_source": self.model_source, "dataset_config": asdict(run.config),
-            "client": {"httpx": package_version("httpx")}})
-        document["device_name"] = self.label  # the machine that decoded is the server's, not this one
-        return document
+            "client": {"httpx": package_version("httpx")},
+            "device_name": self.label}, inputs=run.inputs)  # the machine that decoded is the server's
 
     def close(self) -> None:
         if not self.loop.is_closed():
