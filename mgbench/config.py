@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from .engine.runners import PREFILL_MODES
 from .errors import UserError
+from .hardware import check_kernel_environment
 from .models import ATTN_IMPLEMENTATIONS, DEFAULT_MODEL, DTYPES
 
 
@@ -56,3 +57,5 @@ class RunOptions:
                             "dependence it removes): drop --prefill batched")
         if self.tp_plan not in (None, "auto"):
             raise UserError(f"--tp-plan {self.tp_plan!r}: the only plan is auto (the model's own tensor-parallel plan)")
+        if not self.device.startswith("cuda"):
+            check_kernel_environment()  # before any torch kernel runs: a wrong pair crashes or lies

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from . import SCHEMA_VERSION, __version__
 from .errors import UserError
+from .hardware import kernel_environment
 
 SCHEMA_KEY = b"mgbench.schema_version"
 # Parquet names list items "element": declaring it so keeps the schema equal after a round trip.
@@ -287,15 +288,6 @@ def device_name(device: str) -> str:
     from .hardware import cpu_name
 
     return f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})"
-
-
-# The variables that choose torch's and oneDNN's CPU kernels (`make test-matrix` sets them): a
-# run's figures hold for the kernel family it ran under.
-KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
-
-
-def kernel_environment() -> dict:
-    return {name: os.environ.get(name) for name in KERNEL_VARIABLES}
 
 
 def manifest(command: str, options: dict, device: str, extra: dict | None = None,

@@ -52,12 +52,15 @@ class RowCountPerturbedLinear(torch.nn.Linear):
 
 def runner_up_past_top(logits: torch.Tensor, below: float) -> torch.Tensor:
     """Where a position's top-1/top-2 margin is below `below`, its runner-up logit becomes one step
-    (of the logits' dtype) above the top-1: the argmax moves there, certainly, at a margin of one ulp."""
-    top = logits.topk(2, dim=-1)
-    first, second = top.values[..., 0], top.values[..., 1]
+    (of the logits' dtype) above the top-1: the argmax moves there, certainly, at a margin of one
+    ulp (on an exact tie, to the tied token argmax did not pick)."""
+    top = logits.argmax(-1, keepdim=True)
+    first = logits.gather(-1, top)
+    rest = logits.scatter(-1, top, torch.full_like(first, float("-inf")))
+    runner_up = rest.argmax(-1, keepdim=True)
+    second = rest.gather(-1, runner_up)
     above = torch.nextafter(first, torch.full_like(first, float("inf")))
-    raised = torch.where(first - second < below, above, second)
-    return logits.scatter(-1, top.indices[..., 1:], raised.unsqueeze(-1))
+    return logits.scatter(-1, runner_up, torch.where(first - second < below, above, second))
 
 
 class RowCountNudgedHead(RowCountPerturbedLinear):

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..hardware import cpu_name
+from ..hardware import cpu_name, kernel_environment
 from .batch_invariant import (InvariancePlan, RowForm, apply_form, batch_invariant, row_alone_attention,
                               wrapped_attention)
 from .cache import clone_layers
@@ -82,7 +82,8 @@ class ProbeReport:
 def machine_facts(device: str) -> dict:
     """What the figures depend on: the processor, the ISA torch dispatches to, the accelerator."""
     facts = {"cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-             "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device)}
+             "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device),
+             "kernel_environment": kernel_environment()}
     if torch.device(device).type == "cuda":
         facts["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return facts
