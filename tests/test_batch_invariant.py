@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from helpers import RowCountPerturbedLinear, measured_plain_varies, plant_near_ties, random_prompts, tiny_llama
+from helpers import RowCountPerturbedLinear, plain_flip_audit, plant_near_ties, random_prompts, tiny_llama
 from mgbench.cli import app
 from mgbench.engine.batch_invariant import batch_invariant, chunk_sizes, decoding_mode, run_in_chunks
 from mgbench.engine.probe import probe_model
@@ -28,30 +28,43 @@ def test_chunk_sizes_take_the_largest_allowed_first():
     assert calls == [3, 3, 1] and torch.equal(out, x * 2)
 
 
+PROBE_PROMPT = random_prompts([40], vocab=8192, seed=7)[0]
+
+
+def probe_of(model):
+    with torch.inference_mode():
+        return probe_model(model, PROBE_PROMPT, rows=8)
+
+
 @pytest.fixture(scope="module")
 def perturbed():
-    """PLANTED: layer 0's down projection offsets its output when called with more than 4 rows."""
+    """PLANTED: layer 0's down projection offsets its output when called with more than 4 rows.
+    Returned with the probe of the same model unplanted: what this machine's kernels do by themselves."""
     model = tiny_llama()
     plant_near_ties(model)
+    unplanted = probe_of(model)
     mlp = model.model.layers[0].mlp
     mlp.down_proj = RowCountPerturbedLinear(mlp.down_proj, invariant_up_to=4)
-    with torch.inference_mode():
-        probe = probe_model(model, random_prompts([40], vocab=8192, seed=7)[0], rows=8)
-    return model, probe
+    return model, probe_of(model), unplanted
 
 
 def test_probe_finds_the_planted_row_count_dependence(perturbed):
-    model, probe = perturbed
+    """The planted row counts (5-8) are found on any machine; anything else found is exactly what the
+    unplanted model's probe finds here (agreement, not a prediction that nothing else varies)."""
+    model, probe, unplanted = perturbed
     finding = next(f for f in probe.findings if f.name.startswith("mlp.down_proj"))
-    assert not finding.invariant and finding.varies_at == [5, 6, 7, 8]
-    assert finding.form in ("chunks of 4/3/2/1 rows", "bmm (one GEMV per row)")
-    assert set(probe.plan.forms) == {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}
+    natural = next(f for f in unplanted.findings if f.name.startswith("mlp.down_proj"))
+    assert not finding.invariant and finding.varies_at == sorted(set(natural.varies_at) | {5, 6, 7, 8})
+    assert finding.form == "bmm (one GEMV per row)" or finding.form.startswith("chunks of") or finding.form == "per row"
+    # A finding covers every module of its shape and class, so both layers' down projections are planned.
+    planted = {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}
+    assert set(probe.plan.forms) == set(unplanted.plan.forms) | planted
     assert probe.plain_rows_differing == list(range(8)), "the planted offset reaches every row's logits"
     assert probe.exact, "the planned forms make the probe step equal solo"
 
 
 def test_batch_invariant_decoding_reproduces_solo_bitwise(perturbed):
-    model, probe = perturbed
+    model, probe, _ = perturbed
     prompts = random_prompts([12, 17, 20, 25, 9, 28, 4, 21], vocab=8192)
     with torch.inference_mode():
         solos = [run_solo(model, p, 24, set()) for p in prompts]
@@ -68,7 +81,7 @@ def test_batch_invariant_decoding_reproduces_solo_bitwise(perturbed):
 
 
 def test_the_mode_leaves_nothing_behind(perturbed):
-    model, probe = perturbed
+    model, probe, _ = perturbed
     before = model.config._attn_implementation
     with batch_invariant(model, [0, 3], probe.plan):
         assert model.config._attn_implementation != before
@@ -82,7 +95,7 @@ def test_every_planned_form_equals_the_module_row_by_row(perturbed):
     row alone on fresh inputs too."""
     from mgbench.engine.batch_invariant import apply_form
 
-    model, probe = perturbed
+    model, probe, _ = perturbed
     named = dict(model.named_modules())
     for name, form in probe.plan.forms.items():
         module = named[name]
@@ -100,20 +113,21 @@ def flips_cli(folder, out, *args):
                                "6", "--max-new-tokens", "16", "--out", str(out), *args])
 
 
-def test_flips_batch_invariant_has_no_flips_where_plain_flips(tiny_model_dir, tiny_probe, tmp_path):
-    plain = flips_cli(tiny_model_dir, tmp_path / "plain")
-    invariant = flips_cli(tiny_model_dir, tmp_path / "invariant", "--batch-invariant")
+def test_flips_batch_invariant_has_no_flips_where_plain_flips(planted_model_dir, tmp_path):
+    """Positive control by construction: the planted head flips plain batched decoding on any
+    machine; the batch-invariant mode, planned by the probe, runs it per row and flips nothing."""
+    plain = flips_cli(planted_model_dir, tmp_path / "plain")
+    invariant = flips_cli(planted_model_dir, tmp_path / "invariant", "--batch-invariant")
     assert plain.exit_code == 0 and invariant.exit_code == 0, plain.output + invariant.output
+    assert json.loads((tmp_path / "plain" / "summary.json").read_text())["flips"] > 0
     inv = json.loads((tmp_path / "invariant" / "summary.json").read_text())
     assert inv["batch_invariant"] is True and inv["flips"] == 0 and inv["determinism"] == 1.0
     steps = pd.read_parquet(tmp_path / "invariant" / "steps.parquet")
     assert (steps["max_abs_logit_diff"] == 0).all()
     manifest = json.loads((tmp_path / "invariant" / "manifest.json").read_text())
     assert manifest["probe"]["batch_invariant_exact"] is True and manifest["probe"]["machine"]["cpu_capability"]
-    if tiny_probe.varies:  # the positive control, as measured here
-        plain_summary = json.loads((tmp_path / "plain" / "summary.json").read_text())
-        assert plain_summary["flips"] > 0, measured_plain_varies(tiny_probe)
-    refused = flips_cli(tiny_model_dir, tmp_path / "refused", "--batch-invariant", "--prefill", "batched")
+    assert "lm_head" in json.dumps(manifest["probe"]["plan"]["modules"]), "the planted head is planned per row"
+    refused = flips_cli(planted_model_dir, tmp_path / "refused", "--batch-invariant", "--prefill", "batched")
     assert refused.exit_code == 2 and "--batch-invariant prefills each request alone" in refused.stderr
     assert not (tmp_path / "refused").exists()
 
@@ -126,7 +140,12 @@ def test_probe_command_writes_probe_json(tiny_model_dir, tmp_path):
     assert probe["kind"] == "mgbench.probe" and probe["rows"] == 4 and probe["pad_lens"] == [0, 1, 2, 3]
     assert probe["batch_invariant_exact"] is True
     assert any(f["op"] == "attention" for f in probe["findings"])
-    assert "invariant" in result.stdout and "attention" in result.stdout
+    # Each finding's row in the table carries its verdict, and the probe machine records the kernels.
+    lines = result.stdout.splitlines()
+    for finding in probe["findings"]:
+        row = next(line for line in lines if finding["name"].split(" ")[0] in line and finding["op"] in line)
+        assert (" yes " in row) == finding["invariant"], row
+    assert set(probe["machine"]["kernel_environment"]) == {"ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"}
     as_json = runner.invoke(app, ["probe", "--model", str(tiny_model_dir), "--rows", "2", "--json",
                                   "--out", str(tmp_path / "q")])
     assert json.loads(as_json.stdout)["rows"] == 2
@@ -137,22 +156,22 @@ def test_probe_command_writes_probe_json(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_default_model_batch_invariant_mode_is_solo_bitwise(default_lm, math500_prompts):
     """The real default model, real MATH500 prompts: under the plan probed on this machine every
-    teacher-forced logit row and every free-running token equals solo; plain batched decoding of
-    the same batch differs where the probe measures variance (the negative control)."""
-    from mgbench.audit import eos_token_ids
-
+    teacher-forced logit row and every free-running token equals solo. What plain batched decoding
+    of the same batch does here is printed and asserted as agreement with plain HF calls."""
     model = default_lm.model
-    eos = eos_token_ids(model, default_lm.tokenizer)
     prompts = [torch.tensor(p) for p in math500_prompts]
     with torch.inference_mode():
         probe = probe_model(model, max(prompts, key=len), rows=len(prompts))
-        solos = [run_solo(model, p, 16, eos) for p in prompts]
+        solos = [run_solo(model, p, 16, set()) for p in prompts]
         plain = run_teacher_forced(model, prompts, solos, "alone", 2)
         with decoding_mode(model, prompts, probe.plan):
             forced = run_teacher_forced(model, prompts, solos, "alone", 2)
-            free = run_free(model, prompts, [s.row_prefill for s in solos], "alone", 2, 16, eos)
+            free = run_free(model, prompts, [s.row_prefill for s in solos], "alone", 2, 16, set())
     assert probe.exact
     assert all(row["max_abs_logit_diff"].max() == 0.0 for row in forced.rows)
     assert free.tokens == [s.tokens.tolist() for s in solos]
-    if probe.varies:
-        assert any(row["max_abs_logit_diff"].max() > 0 for row in plain.rows), measured_plain_varies(probe)
+    independent = plain_flip_audit(model, prompts, 16, "alone")
+    diff = torch.stack([torch.from_numpy(row["max_abs_logit_diff"]) for row in plain.rows])
+    assert torch.equal(diff, independent["max_abs_logit_diff"])
+    print(f"\n[this machine] default model, 4 math500 prompts x 16 steps, plain batched: max |logit diff| "
+          f"{float(diff.max()):.4g}, flips {int(independent['flipped'].sum())}")

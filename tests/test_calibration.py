@@ -170,9 +170,38 @@ def test_calibrate_records_real_traces_then_reuses_them(tmp_path):
     document = json.loads((tmp_path / "a" / "calibration.json").read_text())
     assert document["model"] == "smollm2-135m" and document["datasets"] == ["math500"]
     assert document["steps"] > 0 and document["batch_sizes"] == [4]
-    if document["flips"]:
-        assert document["tau"] > document["per_unit"]["logit"]["max_flip_margin"]
-        assert [r["dataset"] for r in document["transfer"]] == ["humaneval", "humaneval"]
+    # What this machine does is reported, and asserted only as agreement with the recorded traces.
+    traces = [pd.read_parquet(path) for path in (tmp_path / "traces").rglob("steps.parquet")]
+    math500 = [t for t in traces if (t["dataset"] == "math500").all()]
+    assert document["flips"] == sum(int(t["flipped"].sum()) for t in math500)
+    print(f"\n[this machine] default model, math500 4x12 tokens at batch 4: {document['flips']} flips")
     second = subprocess.run([*command, "--out", str(tmp_path / "b")], capture_output=True, text=True, env=env, timeout=900)
     assert second.returncode == 0 and "math500: reused cached traces" in second.stderr
     assert json.loads((tmp_path / "b" / "calibration.json").read_text())["tau"] == document["tau"]
+
+
+@pytest.mark.slow
+def test_calibrate_on_planted_flips_puts_tau_above_every_flip(tmp_path, monkeypatch):
+    """Positive control on the real default model and datasets: a planted head moves the argmax to
+    the runner-up wherever the batched margin is below 0.5 logit, so flips are certain and sit at
+    known margins; TAU must clear every one, and the transfer datasets are scored."""
+    from helpers import plant_nudged_head
+    from mgbench import models
+
+    load = models.load_model
+
+    def load_planted(*args, **kwargs):
+        lm = load(*args, **kwargs)
+        plant_nudged_head(lm.model, delta=0.5)
+        return lm
+
+    monkeypatch.setattr(models, "load_model", load_planted)
+    monkeypatch.setenv("MGBENCH_TRACES", str(tmp_path / "traces"))
+    result = runner.invoke(app, ["calibrate", "--dataset", "math500", "--limit", "4", "--batch-size", "4",
+                                 "--max-new-tokens", "12", "--transfer", "humaneval", "--out", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    document = json.loads((tmp_path / "a" / "calibration.json").read_text())
+    assert document["flips"] > 0
+    assert document["per_unit"]["logit"]["max_flip_margin"] < 0.5
+    assert document["tau"] > document["per_unit"]["logit"]["max_flip_margin"]
+    assert [r["dataset"] for r in document["transfer"]] == ["humaneval", "humaneval"]

@@ -14,7 +14,6 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from helpers import measured_plain_varies
 from mgbench import gate
 from mgbench.cli import app
 
@@ -57,35 +56,38 @@ def flips_args(folder, out, *extra):
 
 
 @pytest.fixture(scope="module")
-def base_run(tiny_model_dir, tmp_path_factory):
+def base_run(planted_model_dir, tmp_path_factory):
+    """An audit of the planted model: every multi-row step flips, on any machine."""
     out = tmp_path_factory.mktemp("gate") / "base"
-    result = runner.invoke(app, flips_args(tiny_model_dir, out))
+    result = runner.invoke(app, flips_args(planted_model_dir, out))
     assert result.exit_code == 0, result.output
     return out
 
 
-def test_thresholds_exit_1_with_a_failing_junit_case(tiny_model_dir, tiny_probe, base_run, tmp_path):
+def test_thresholds_exit_1_with_a_failing_junit_case(planted_model_dir, base_run, tmp_path):
     summary = json.loads((base_run / "summary.json").read_text())
-    if tiny_probe.varies:
-        assert summary["determinism"] < 1.0, measured_plain_varies(tiny_probe)
-    strict = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "strict", "--require-determinism", "1.0",
+    assert summary["determinism"] < 1.0 and summary["flips"] > 0, "positive control: the planted head flips"
+    strict = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "strict", "--require-determinism", "1.0",
                                            "--junit", str(tmp_path / "strict.xml")))
-    failing = summary["determinism"] < 1.0
-    assert strict.exit_code == (1 if failing else 0), strict.output
+    assert strict.exit_code == 1, strict.output
     junit = (tmp_path / "strict.xml").read_text()
-    assert ('failures="0"' not in junit) == failing and 'name="batch_size=8"' in junit
-    if failing:
-        assert "require-determinism needs >= 100.00%" in strict.stderr
-        gated = json.loads((tmp_path / "strict" / "summary.json").read_text())["gate"]
-        assert gated["passed"] is False and gated["failures"][0]["by"] == pytest.approx(1 - summary["determinism"])
-    lenient = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "lenient", "--require-determinism", "0",
+    assert 'failures="0"' not in junit and 'name="batch_size=8"' in junit
+    assert "require-determinism needs >= 100.00%" in strict.stderr
+    gated = json.loads((tmp_path / "strict" / "summary.json").read_text())["gate"]
+    assert gated["passed"] is False and gated["failures"][0]["by"] == pytest.approx(1 - summary["determinism"])
+    # Negative control, clean by construction: the batch-invariant mode runs the planted head per row.
+    exact = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "exact", "--batch-invariant",
+                                          "--require-determinism", "1.0", "--junit", str(tmp_path / "exact.xml")))
+    assert exact.exit_code == 0, exact.output
+    assert 'failures="0"' in (tmp_path / "exact.xml").read_text()
+    lenient = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "lenient", "--require-determinism", "0",
                                             "--max-flip-rate", "1", "--json"))
     assert lenient.exit_code == 0, lenient.output
     assert json.loads(lenient.stdout)["gate"]["passed"] is True
 
 
-def test_baseline_of_itself_passes_with_p_1(tiny_model_dir, base_run, tmp_path):
-    result = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "again", "--baseline", str(base_run),
+def test_baseline_of_itself_passes_with_p_1(planted_model_dir, base_run, tmp_path):
+    result = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "again", "--baseline", str(base_run),
                                            "--junit", str(tmp_path / "j.xml"), "--json"))
     assert result.exit_code == 0, result.output
     tests = json.loads(result.stdout)["gate"]["baseline"]["tests"]
@@ -111,38 +113,33 @@ def plant_clean_baseline(base_run: Path, target: Path) -> Path:
     return target
 
 
-def test_regression_against_a_cleaner_baseline_exits_1(tiny_model_dir, tiny_probe, base_run, tmp_path):
+def test_regression_against_a_cleaner_baseline_exits_1(planted_model_dir, base_run, tmp_path):
     summary = json.loads((base_run / "summary.json").read_text())
-    if not tiny_probe.varies:
-        assert summary["flips"] == 0, "the probe found nothing varying here"
+    assert summary["flips"] >= 3, "the planted head flips every multi-row step: enough to bite"
     clean = plant_clean_baseline(base_run, tmp_path / "clean")
-    # A small audit: alpha 0.2 lets 3 new flips against none (p = 0.125) count as beyond chance.
-    result = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "now", "--baseline", str(clean), "--alpha", "0.2",
-                                           "--json"))
-    expected = 1 if gate.sign_test_p(summary["flips"], 0) < 0.2 else 0
-    assert result.exit_code == expected, f"{summary['flips']} flips; {result.output}"
-    if expected:
-        verdict = json.loads(result.stdout)["gate"]
-        assert "flip_rate" in verdict["baseline"]["regressed"]
-        assert verdict["baseline"]["tests"]["flip_rate"]["baseline_rate"] == 0.0
-        assert "regression against the baseline: flip rate" in result.stderr
-    if tiny_probe.varies:
-        assert summary["flips"] >= 3, f"{measured_plain_varies(tiny_probe)}: this check needs >= 3 flips to bite"
+    result = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "now", "--baseline", str(clean), "--alpha",
+                                           "0.2", "--json"))
+    assert result.exit_code == 1, f"{summary['flips']} flips against none; {result.output}"
+    verdict = json.loads(result.stdout)["gate"]
+    assert "flip_rate" in verdict["baseline"]["regressed"]
+    assert verdict["baseline"]["tests"]["flip_rate"]["baseline_rate"] == 0.0
+    assert verdict["baseline"]["tests"]["flip_rate"]["newly_bad"] == summary["flips"]
+    assert "regression against the baseline: flip rate" in result.stderr
 
 
-def test_baseline_of_other_prompts_or_model_is_refused(tiny_model_dir, base_run, tmp_path):
-    other = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "o", "--seed", "3", "--baseline", str(base_run)))
+def test_baseline_of_other_prompts_or_model_is_refused(planted_model_dir, base_run, tmp_path):
+    other = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "o", "--seed", "3", "--baseline", str(base_run)))
     assert other.exit_code == 2 and "is not the same audit" in other.stderr and "requests" in other.stderr
     assert len(other.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
-    longer = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "l", "--max-new-tokens", "8",
+    longer = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "l", "--max-new-tokens", "8",
                                            "--baseline", str(base_run)))
     assert longer.exit_code == 2 and "max_new_tokens" in longer.stderr
-    wrong_kind = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "w", "--baseline", str(tmp_path)))
+    wrong_kind = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "w", "--baseline", str(tmp_path)))
     assert wrong_kind.exit_code == 2 and "not a finished mgbench run directory" in wrong_kind.stderr
 
 
-def test_verify_baseline_of_itself_passes(tiny_model_dir, tmp_path):
-    args = ["verify", "--model", str(tiny_model_dir), "--dataset", "gsm8k", "--limit", "4", "--batch-sizes", "4",
+def test_verify_baseline_of_itself_passes(planted_model_dir, tmp_path):
+    args = ["verify", "--model", str(planted_model_dir), "--dataset", "gsm8k", "--limit", "4", "--batch-sizes", "4",
             "--max-new-tokens", "12", "--policy", "none"]
     first = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])
     assert first.exit_code == 0, first.output
@@ -154,23 +151,28 @@ def test_verify_baseline_of_itself_passes(tiny_model_dir, tmp_path):
     assert other_policy.exit_code == 2 and "policies" in other_policy.stderr
 
 
-def test_every_command_prints_json_and_logs_at_full_width(tiny_model_dir, base_run, tmp_path):
+def test_every_command_prints_json_and_logs_at_full_width(planted_model_dir, base_run, tmp_path):
     """--json: the summary alone on stdout. Piped output: no ellipsis, no cut header."""
     outputs = {
         "calibrate": ["calibrate", str(base_run), "--out", str(tmp_path / "cal"), "--json"],
-        "probe": ["probe", "--model", str(tiny_model_dir), "--rows", "2", "--out", str(tmp_path / "p"), "--json"],
-        "compare": ["compare", "--model", str(tiny_model_dir), "--dataset", "gsm8k", "--limit", "2", "--batch-size",
+        "probe": ["probe", "--model", str(planted_model_dir), "--rows", "2", "--out", str(tmp_path / "p"), "--json"],
+        "compare": ["compare", "--model", str(planted_model_dir), "--dataset", "gsm8k", "--limit", "2", "--batch-size",
                     "2", "--max-new-tokens", "6", "--repeats", "1", "--threshold", "0.05",
                     "--out", str(tmp_path / "cmp"), "--json"],
         "report": ["report", str(base_run), "--out", str(tmp_path / "rep"), "--json"],
         "models": ["models", "--json"],
         "datasets": ["datasets", "--json"],
-        "flips": flips_args(tiny_model_dir, tmp_path / "f", "--json"),
+        "flips": flips_args(planted_model_dir, tmp_path / "f", "--json"),
     }
+    written = {"calibrate": tmp_path / "cal" / "summary.json", "probe": tmp_path / "p" / "probe.json",
+               "compare": tmp_path / "cmp" / "summary.json", "flips": tmp_path / "f" / "summary.json"}
     for name, args in outputs.items():
         result = runner.invoke(app, args)
         assert result.exit_code == 0, f"{name}: {result.output}"
-        json.loads(result.stdout)
+        printed = json.loads(result.stdout)
+        if name in written:  # the summary alone: exactly what the run directory holds
+            assert printed == json.loads(written[name].read_text()), name
+    assert "smollm2-135m" in runner.invoke(app, ["models", "--json"]).stdout
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     piped = subprocess.run([sys.executable, "-m", "mgbench", "calibrate", str(base_run), "--out",
                             str(tmp_path / "cal2")], capture_output=True, text=True, env=env)
@@ -178,10 +180,10 @@ def test_every_command_prints_json_and_logs_at_full_width(tiny_model_dir, base_r
     assert "…" not in piped.stdout and "trig@…" not in piped.stdout and "TAU min" in piped.stdout
 
 
-def test_github_step_summary_gets_the_run_section(tiny_model_dir, base_run, tmp_path, monkeypatch):
+def test_github_step_summary_gets_the_run_section(planted_model_dir, base_run, tmp_path, monkeypatch):
     step_summary = tmp_path / "step-summary.md"
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step_summary))
-    result = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "s", "--baseline", str(base_run)))
+    result = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "s", "--baseline", str(base_run)))
     assert result.exit_code == 0, result.output
     text = step_summary.read_text()
     assert text.startswith("## flips: s") and "Determinism gate: PASS" in text and "![" not in text

@@ -172,23 +172,22 @@ def out_of_memory_above(limit, run):
     return wrapped
 
 
-def test_out_of_memory_retries_smaller_batches_and_says_so(reference, tiny_model_dir, tiny_probe, tmp_path,
-                                                           monkeypatch):
+def test_out_of_memory_retries_smaller_batches_and_says_so(planted_model_dir, tmp_path, monkeypatch):
     from mgbench import audit
 
+    planted = invoke(flips_args(planted_model_dir, tmp_path / "planted"))
+    assert json.loads((tmp_path / "planted" / "summary.json").read_text())["flips"] > 0, planted.output
     monkeypatch.setattr(audit, "run_teacher_forced", out_of_memory_above(1, audit.run_teacher_forced))
-    result = invoke(flips_args(tiny_model_dir, tmp_path / "run"))
+    result = invoke(flips_args(planted_model_dir, tmp_path / "run"))
     assert "out of memory at batch size 2: retrying it as batches of 1" in result.stderr
     sequences = pd.read_parquet(tmp_path / "run" / "sequences.parquet")
     assert set(sequences["batch_size"]) == {1} and len(sequences) == 6
     assert not sequences.duplicated(["batch_id", "row"]).any()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["oom_splits"] == [{"batch_size": 2, "retried_as": 1}] * 3
-    # Batch size 1 is solo decoding: the retried run has no flips, unlike the reference's batches
-    # where the probe measures plain batched decoding varying on this machine.
+    # Batch size 1 is solo decoding: the planted head, which flips the batches of 2 above, cannot
+    # act on batches of one, so the retried run has no flips by construction.
     assert summary["flips"] == 0
-    if tiny_probe.varies:
-        assert json.loads((reference / "summary.json").read_text())["flips"] > 0
 
 
 def test_out_of_memory_at_batch_size_1_is_a_clear_error(tiny_model_dir, tmp_path, monkeypatch):
@@ -261,14 +260,16 @@ def test_tensor_parallel_under_torchrun_writes_one_run(tiny_model_dir, tmp_path)
     assert len(pd.read_parquet(out / "sequences.parquet")) == 2
 
 
-def test_needle_mode_places_each_request_among_fillers(tiny_model_dir, tmp_path):
+def test_needle_mode_places_each_request_among_fillers(planted_model_dir, tmp_path):
     out = tmp_path / "needle"
-    invoke(["verify", "--model", str(tiny_model_dir), "--dataset", "gsm8k", "--limit", "3", "--batch-sizes", "4",
+    invoke(["verify", "--model", str(planted_model_dir), "--dataset", "gsm8k", "--limit", "3", "--batch-sizes", "4",
             "--max-new-tokens", "6", "--policy", "always", "--needle", "--out", str(out)])
     sequences = pd.read_parquet(out / "sequences.parquet")
     # One verified row per batch of 4 (the rest are fillers), at a seeded row; exact repair holds.
     assert len(sequences) == 3 and set(sequences["batch_size"]) == {4} and sequences["batch_id"].is_unique
     assert sequences["row"].between(0, 3).all() and sequences["identical"].all()
+    # The planted head flips every multi-row step: determinism holds because repairs happened.
+    assert pd.read_parquet(out / "steps.parquet")["repaired"].sum() > 0
 
 
 def test_a_crash_before_the_sharded_summary_is_finished_by_resume(tiny_model_dir, tmp_path, monkeypatch):
