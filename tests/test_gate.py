@@ -164,7 +164,7 @@ def test_every_command_prints_json_and_logs_at_full_width(planted_model_dir, bas
         "datasets": ["datasets", "--json"],
         "flips": flips_args(planted_model_dir, tmp_path / "f", "--json"),
     }
-    written = {"calibrate": tmp_path / "cal" / "summary.json", "probe": tmp_path / "p" / "probe.json",
+    written = {"probe": tmp_path / "p" / "probe.json",
                "compare": tmp_path / "cmp" / "summary.json", "flips": tmp_path / "f" / "summary.json"}
     for name, args in outputs.items():
         result = runner.invoke(app, args)

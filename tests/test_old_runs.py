@@ -1,0 +1,88 @@
+"""Runs recorded by an earlier release stay usable: the committed schema-1 run (tests/fixtures)
+calibrates, reports and serves as a --baseline; a run from a newer release is refused in one line."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from mgbench import gate, results
+from mgbench.cli import app
+
+V1_RUN = Path(__file__).parent / "fixtures" / "v1-flips-run"
+V1_AUDIT = ["flips", "--dataset", "math500", "--limit", "6", "--batch-size", "6", "--max-new-tokens", "8"]
+runner = CliRunner()
+
+
+def test_the_fixture_is_schema_1():
+    assert pq.read_schema(V1_RUN / "steps.parquet").metadata[results.SCHEMA_KEY] == b"1"
+    assert json.loads((V1_RUN / "manifest.json").read_text())["schema_version"] == "1"
+
+
+def test_v1_steps_are_upgraded_on_read():
+    steps = results.read_steps(V1_RUN)
+    assert len(steps) == 48 and (steps["method"] == "teacher-forced").all()
+    assert steps["logprob_drift"].isna().all()
+    assert steps.attrs["schema_version_read"] == "1"
+
+
+def test_v1_run_calibrates_and_the_manifest_says_which_version_was_read(tmp_path):
+    result = runner.invoke(app, ["calibrate", str(V1_RUN), "--out", str(tmp_path / "cal")])
+    assert result.exit_code == 0, result.output
+    document = json.loads((tmp_path / "cal" / "calibration.json").read_text())
+    flipped = int(pq.read_table(V1_RUN / "steps.parquet").column("flipped").to_numpy().sum())
+    assert document["steps"] == 48 and document["flips"] == flipped
+    inputs = json.loads((tmp_path / "cal" / "manifest.json").read_text())["inputs"]
+    assert [(Path(i["path"]).name, i["schema_version_read"]) for i in inputs] == [("v1-flips-run", "1")]
+
+
+def test_v1_run_reports(tmp_path):
+    result = runner.invoke(app, ["report", str(V1_RUN), "--out", str(tmp_path / "rep")])
+    assert result.exit_code == 0, result.output
+    assert "schema 1 (read as 2)" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_v1_run_against_itself_passes_the_gate():
+    """Negative control by construction: a run compared with itself has no newly bad pair."""
+    baseline = gate.load_baseline(V1_RUN, "flips")
+    tested = gate.regression(baseline.steps, baseline.sequences, baseline.steps, baseline.sequences, alpha=0.05)
+    assert tested["tests"]["flip_rate"]["p_value"] == 1.0 and tested["tests"]["flip_rate"]["pairs"] == 48
+    assert baseline.schema_version == "1"
+
+
+@pytest.mark.slow
+def test_v1_run_as_baseline_catches_a_planted_regression(tmp_path, monkeypatch):
+    """Positive control: the same audit on the default model with a planted head (flips wherever the
+    batched margin is below 1 logit) regresses against the v1 baseline on any machine."""
+    from helpers import plant_nudged_head
+    from mgbench import models
+
+    load = models.load_model
+
+    def load_planted(*args, **kwargs):
+        lm = load(*args, **kwargs)
+        plant_nudged_head(lm.model, delta=1.0)
+        return lm
+
+    monkeypatch.setattr(models, "load_model", load_planted)
+    result = runner.invoke(app, [*V1_AUDIT, "--baseline", str(V1_RUN), "--out", str(tmp_path / "now"), "--json"])
+    assert result.exit_code == 1, result.output
+    verdict = json.loads(result.stdout)["gate"]["baseline"]
+    assert verdict["schema_version_read"] == "1" and "flip_rate" in verdict["regressed"]
+    assert verdict["tests"]["flip_rate"]["pairs"] == 48
+    inputs = json.loads((tmp_path / "now" / "manifest.json").read_text())["inputs"]
+    assert inputs[0]["role"] == "baseline" and inputs[0]["schema_version_read"] == "1"
+
+
+def test_a_run_from_a_newer_release_is_refused_in_one_line(tmp_path):
+    future = tmp_path / "future"
+    shutil.copytree(V1_RUN, future)
+    table = pq.read_table(future / "steps.parquet")
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, results.SCHEMA_KEY: b"3"}),
+                   future / "steps.parquet")
+    result = runner.invoke(app, ["calibrate", str(future), "--out", str(tmp_path / "cal")])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "schema version 3, newer than this mgbench" in result.stderr and not (tmp_path / "cal").exists()
