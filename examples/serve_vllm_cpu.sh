@@ -26,8 +26,10 @@ if [[ -z "${MGBENCH_MODEL_DIR:-}" ]]; then
   MGBENCH_MODEL_DIR="$("$MGBENCH_PYTHON" -c 'from mgbench.models import resolve_source; print(resolve_source("smollm2-135m"))')"
 fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
+# Prefix caching off: a request repeated alone (the audit's solo repeat) must be computed again,
+# not answered from the first one's cached K/V, or "solo twice is identical" would prove nothing.
 # `vllm serve` looks up package metadata named vllm (this distribution is vllm-cpu): the API
 # server module is the entry point that works as installed.
 exec "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
   --model "$MGBENCH_MODEL_DIR" --host 127.0.0.1 --port "$PORT" \
-  --dtype bfloat16 --enforce-eager --max-model-len 2048 "$@"
+  --dtype bfloat16 --enforce-eager --max-model-len 2048 --no-enable-prefix-caching "$@"
