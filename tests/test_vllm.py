@@ -183,13 +183,9 @@ def test_vllm_batch_invariant_server_is_audited_as_a_bare_request_finds_it(vllm_
     result = runner.invoke(app, [*AUDIT, "--endpoint", invariant.url, "--out", str(out)])
     if status is None:
         assert result.exit_code == 0, result.output
-    else:  # the failing server may exit after answering: either way one line, exit 2, nothing written
-        assert result.exit_code == 2, result.output
-        if invariant.process.poll() is None:
-            exit_2(result, f"HTTP {status}", out)
-        else:  # it exited after answering the bare request, or after answering mgbench
-            message = f"HTTP {status}" if f"HTTP {status}" in result.stderr else "nothing is listening"
-            exit_2(result, message, out)
+    else:  # the failing server shuts down after answering (port closed before its process exits)
+        message = f"HTTP {status}" if f"HTTP {status}" in result.stderr else "nothing is listening"
+        exit_2(result, message, out)
     invariant.stop()
 
 
