@@ -80,6 +80,21 @@ def plant_nudged_head(model, delta: float, invariant_up_to: int = 1) -> None:
     model.lm_head = RowCountNudgedHead(model.lm_head, invariant_up_to=invariant_up_to, delta=delta)
 
 
+def plant_every_loaded_model(monkeypatch, delta: float) -> None:
+    """Every model the CLI loads in this test gets a nudged head (`delta`): the real default model
+    with planted variance, certain on any machine."""
+    from mgbench import models
+
+    load = models.load_model
+
+    def load_planted(*args, **kwargs):
+        lm = load(*args, **kwargs)
+        plant_nudged_head(lm.model, delta)
+        return lm
+
+    monkeypatch.setattr(models, "load_model", load_planted)
+
+
 def plant_from_marker(lm) -> None:
     """TEST-ONLY LOADER HOOK: a local model folder with PLANT_MARKER gets the head it describes."""
     import json

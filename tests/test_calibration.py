@@ -185,17 +185,9 @@ def test_calibrate_on_planted_flips_puts_tau_above_every_flip(tmp_path, monkeypa
     """Positive control on the real default model and datasets: a planted head moves the argmax to
     the runner-up wherever the batched margin is below 0.5 logit, so flips are certain and sit at
     known margins; TAU must clear every one, and the transfer datasets are scored."""
-    from helpers import plant_nudged_head
-    from mgbench import models
+    from helpers import plant_every_loaded_model
 
-    load = models.load_model
-
-    def load_planted(*args, **kwargs):
-        lm = load(*args, **kwargs)
-        plant_nudged_head(lm.model, delta=0.5)
-        return lm
-
-    monkeypatch.setattr(models, "load_model", load_planted)
+    plant_every_loaded_model(monkeypatch, delta=0.5)
     monkeypatch.setenv("MGBENCH_TRACES", str(tmp_path / "traces"))
     result = runner.invoke(app, ["calibrate", "--dataset", "math500", "--limit", "4", "--batch-size", "4",
                                  "--max-new-tokens", "12", "--transfer", "humaneval", "--out", str(tmp_path / "a")])

@@ -57,17 +57,9 @@ def test_v1_run_against_itself_passes_the_gate():
 def test_v1_run_as_baseline_catches_a_planted_regression(tmp_path, monkeypatch):
     """Positive control: the same audit on the default model with a planted head (flips wherever the
     batched margin is below 1 logit) regresses against the v1 baseline on any machine."""
-    from helpers import plant_nudged_head
-    from mgbench import models
+    from helpers import plant_every_loaded_model
 
-    load = models.load_model
-
-    def load_planted(*args, **kwargs):
-        lm = load(*args, **kwargs)
-        plant_nudged_head(lm.model, delta=1.0)
-        return lm
-
-    monkeypatch.setattr(models, "load_model", load_planted)
+    plant_every_loaded_model(monkeypatch, delta=1.0)
     result = runner.invoke(app, [*V1_AUDIT, "--baseline", str(V1_RUN), "--out", str(tmp_path / "now"), "--json"])
     assert result.exit_code == 1, result.output
     verdict = json.loads(result.stdout)["gate"]["baseline"]
