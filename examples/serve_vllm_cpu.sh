@@ -23,7 +23,7 @@ if [[ ! -x "$VLLM_VENV/bin/python" ]]; then
 fi
 if [[ -z "${MGBENCH_MODEL_DIR:-}" ]]; then
   # The default model's dense folder (converted from the packaged GGUF on first use).
-  MGBENCH_MODEL_DIR="$("$MGBENCH_PYTHON" -c 'from mgbench.models import resolve_source; print(resolve_source("smollm2-135m"))')"
+  MGBENCH_MODEL_DIR="$("$MGBENCH_PYTHON" -c 'from mgbench.assets.models import resolve_source; print(resolve_source("smollm2-135m"))')"
 fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
 # Prefix caching off: a request repeated alone (the audit's solo repeat) must be computed again,

@@ -1,3 +1,3 @@
-from .cli import main
+from mgbench.cli import main
 
 main()

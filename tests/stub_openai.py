@@ -38,14 +38,23 @@ def _completion(state: StubState, body: dict, concurrent: bool) -> dict:
     flip_at = 2 if varies else None
     tokens = greedy_tokens(ids, int(body["max_tokens"]), flip_at)
     k = int(body.get("logprobs") or 0)
-    top = [{f"token_id:{t + j}": -0.25 * (j + 1) + (0.125 if varies and j == 1 else 0.0) for j in range(k)}
-           for t in tokens]
+    top = [
+        {f"token_id:{t + j}": -0.25 * (j + 1) + (0.125 if varies and j == 1 else 0.0) for j in range(k)} for t in tokens
+    ]
     if state.mode == "text-keys":
         top = [{f"tok{j}": v for j, v in enumerate(entry.values())} for entry in top]
-    logprobs = None if state.mode == "no-logprobs" or k == 0 else {"tokens": [f"token_id:{t}" for t in tokens],
-                                                                     "top_logprobs": top}
-    return {"id": "cmpl-stub", "object": "text_completion", "model": body["model"], "system_fingerprint": "stub-1",
-            "choices": [{"index": 0, "text": "", "token_ids": tokens, "logprobs": logprobs, "finish_reason": "length"}]}
+    logprobs = (
+        None
+        if state.mode == "no-logprobs" or k == 0
+        else {"tokens": [f"token_id:{t}" for t in tokens], "top_logprobs": top}
+    )
+    return {
+        "id": "cmpl-stub",
+        "object": "text_completion",
+        "model": body["model"],
+        "system_fingerprint": "stub-1",
+        "choices": [{"index": 0, "text": "", "token_ids": tokens, "logprobs": logprobs, "finish_reason": "length"}],
+    }
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -90,8 +99,16 @@ class _Handler(BaseHTTPRequestHandler):
             state.active.append(mine)
         try:
             if failing and state.mode == "http-500":
-                self._send(500, {"error": {"message": "TypeError: 'function' object is not subscriptable",
-                                           "type": "InternalServerError", "code": 500}})
+                self._send(
+                    500,
+                    {
+                        "error": {
+                            "message": "TypeError: 'function' object is not subscriptable",
+                            "type": "InternalServerError",
+                            "code": 500,
+                        }
+                    },
+                )
                 return
             if failing and state.mode == "drop":
                 self.close_connection = True

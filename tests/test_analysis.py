@@ -3,33 +3,50 @@
 import pandas as pd
 import pytest
 
-from mgbench import analysis
-from mgbench.divergence import first_divergence
+from mgbench.analysis import figures
+from mgbench.analysis.divergence import first_divergence
 
 
 def synthetic_steps():
     # Two rows of 10 steps; row 1 flips at step 9 with a rising K/V delta before it.
     frames = []
     for row in (0, 1):
-        frames.append(pd.DataFrame({
-            "batch_id": 0, "row": row, "batch_size": 2, "step": range(10),
-            "flipped": [False] * 9 + [row == 1],
-            "margin": [1.0] * 9 + [0.125 if row == 1 else 2.0],
-            "margin_ulp": [8.0] * 9 + [1.0 if row == 1 else 16.0],
-            "kv_delta_mean": [0.01 * (s + 1) if row == 1 else 0.0 for s in range(10)],
-            "logprob_drift": [0.0] * 8 + [0.25, 0.5] if row == 1 else 0.0,  # the flip's own drift is not counted
-        }))
+        frames.append(
+            pd.DataFrame(
+                {
+                    "batch_id": 0,
+                    "row": row,
+                    "batch_size": 2,
+                    "step": range(10),
+                    "flipped": [False] * 9 + [row == 1],
+                    "margin": [1.0] * 9 + [0.125 if row == 1 else 2.0],
+                    "margin_ulp": [8.0] * 9 + [1.0 if row == 1 else 16.0],
+                    "kv_delta_mean": [0.01 * (s + 1) if row == 1 else 0.0 for s in range(10)],
+                    "logprob_drift": [0.0] * 8 + [0.25, 0.5]
+                    if row == 1
+                    else 0.0,  # the flip's own drift is not counted
+                }
+            )
+        )
     return pd.concat(frames, ignore_index=True)
 
 
 def synthetic_sequences():
-    return pd.DataFrame({"batch_id": [0, 0], "row": [0, 1], "batch_size": [2, 2], "pad_len": [3, 0],
-                         "identical": [True, False], "solo_ids": [[1, 2, 3], [4, 5, 6, 7]],
-                         "batched_ids": [[1, 2, 3], [4, 5, 9, 9]]})
+    return pd.DataFrame(
+        {
+            "batch_id": [0, 0],
+            "row": [0, 1],
+            "batch_size": [2, 2],
+            "pad_len": [3, 0],
+            "identical": [True, False],
+            "solo_ids": [[1, 2, 3], [4, 5, 6, 7]],
+            "batched_ids": [[1, 2, 3], [4, 5, 9, 9]],
+        }
+    )
 
 
 def test_summary_counts_and_rates():
-    summary = analysis.summarize_flips(synthetic_steps(), synthetic_sequences())
+    summary = figures.summarize_flips(synthetic_steps(), synthetic_sequences())
     assert summary["steps"] == 20 and summary["flips"] == 1
     assert summary["flip_rate"] == pytest.approx(0.05)
     assert summary["sequences_diverged"] == 1 and summary["determinism"] == pytest.approx(0.5)
@@ -43,7 +60,7 @@ def test_summary_counts_and_rates():
 
 
 def test_kv_before_flips_window():
-    table = analysis.kv_before_flips(synthetic_steps(), window=8)
+    table = figures.kv_before_flips(synthetic_steps(), window=8)
     assert list(table["offset"]) == list(range(-8, 1))
     assert table.set_index("offset").loc[-8, "kv_delta_mean"] == pytest.approx(0.02)  # step 1 of row 1
     assert table.set_index("offset").loc[0, "kv_delta_mean"] == pytest.approx(0.10)
@@ -53,20 +70,23 @@ def test_kv_before_flips_window():
 def test_no_flips_gives_empty_flip_quantiles():
     steps = synthetic_steps()
     steps["flipped"] = False
-    summary = analysis.summarize_flips(steps, synthetic_sequences())
+    summary = figures.summarize_flips(steps, synthetic_sequences())
     assert summary["flips"] == 0 and summary["margin_logit_quantiles_flip"]["q50"] is None
 
 
 def test_batch_pad_lengths_in_row_order():
-    pads = analysis.batch_pad_lengths(synthetic_sequences().iloc[::-1])
+    pads = figures.batch_pad_lengths(synthetic_sequences().iloc[::-1])
     assert pads.loc[0, "pad_lens"] == [3, 0]
 
 
-@pytest.mark.parametrize("reference,candidate,expected", [
-    ([1, 2, 3], [1, 2, 3], None),
-    ([1, 2, 3], [1, 5, 3], 1),
-    ([1, 2, 3], [1, 2], 2),
-    ([1, 2], [1, 2, 3], 2),
-])
+@pytest.mark.parametrize(
+    "reference,candidate,expected",
+    [
+        ([1, 2, 3], [1, 2, 3], None),
+        ([1, 2, 3], [1, 5, 3], 1),
+        ([1, 2, 3], [1, 2], 2),
+        ([1, 2], [1, 2, 3], 2),
+    ],
+)
 def test_first_divergence(reference, candidate, expected):
     assert first_divergence(reference, candidate) == expected

@@ -12,8 +12,12 @@ from mgbench.cli import app
 
 runner = CliRunner()
 COMMANDS = ("flips", "verify", "compare", "calibrate")
-FAST = {"flips": ["--limit", "2", "--max-new-tokens", "4"], "verify": ["--limit", "2", "--max-new-tokens", "4", "--threshold", "0.5"],
-        "compare": ["--limit", "2", "--max-new-tokens", "4", "--threshold", "0.5"], "calibrate": ["--limit", "2", "--max-new-tokens", "4"]}
+FAST = {
+    "flips": ["--limit", "2", "--max-new-tokens", "4"],
+    "verify": ["--limit", "2", "--max-new-tokens", "4", "--threshold", "0.5"],
+    "compare": ["--limit", "2", "--max-new-tokens", "4", "--threshold", "0.5"],
+    "calibrate": ["--limit", "2", "--max-new-tokens", "4"],
+}
 
 
 def tree(root):
@@ -44,45 +48,69 @@ def private_traces(tmp_path_factory, monkeypatch):
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_unknown_model_alias(tmp_path, command):
-    assert_bad(tmp_path, [command, "--model", "no-such-model", *FAST[command], "--out", str(tmp_path / "o")],
-               "unknown model 'no-such-model'")
+    assert_bad(
+        tmp_path,
+        [command, "--model", "no-such-model", *FAST[command], "--out", str(tmp_path / "o")],
+        "unknown model 'no-such-model'",
+    )
 
 
 @pytest.mark.parametrize("command", ("flips", "verify", "compare"))
 def test_hub_id_unavailable_offline(tmp_path, command):
-    assert_bad(tmp_path, [command, "--model", "nobody/not-in-the-cache", *FAST[command], "--out", str(tmp_path / "o")],
-               "offline")
+    assert_bad(
+        tmp_path,
+        [command, "--model", "nobody/not-in-the-cache", *FAST[command], "--out", str(tmp_path / "o")],
+        "offline",
+    )
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_unknown_dataset(tmp_path, command):
-    assert_bad(tmp_path, [command, "--dataset", "no-such-dataset", *FAST[command], "--out", str(tmp_path / "o")],
-               "unknown dataset 'no-such-dataset'")
+    assert_bad(
+        tmp_path,
+        [command, "--dataset", "no-such-dataset", *FAST[command], "--out", str(tmp_path / "o")],
+        "unknown dataset 'no-such-dataset'",
+    )
 
 
 @pytest.fixture
 def configs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("configs")
     (folder / "malformed.toml").write_text('name = "m"\n[source\nkind = "file"\n')
-    (folder / "gone.toml").write_text('name = "gone"\n[source]\nkind = "file"\npath = "gone.jsonl"\n[prompt]\nfield = "q"\n')
+    (folder / "gone.toml").write_text(
+        'name = "gone"\n[source]\nkind = "file"\npath = "gone.jsonl"\n[prompt]\nfield = "q"\n'
+    )
     (folder / "empty.jsonl").write_text("")
-    (folder / "empty.toml").write_text('name = "empty"\n[source]\nkind = "file"\npath = "empty.jsonl"\n[prompt]\nfield = "q"\n')
+    (folder / "empty.toml").write_text(
+        'name = "empty"\n[source]\nkind = "file"\npath = "empty.jsonl"\n[prompt]\nfield = "q"\n'
+    )
     return folder
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize("config,message", [("malformed.toml", "malformed"), ("gone.toml", "does not exist"),
-                                            ("empty.toml", "has no records"), ("missing.toml", "unknown dataset")])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ("malformed.toml", "malformed"),
+        ("gone.toml", "does not exist"),
+        ("empty.toml", "has no records"),
+        ("missing.toml", "unknown dataset"),
+    ],
+)
 def test_bad_dataset_config_or_file(tmp_path, configs, command, config, message):
-    assert_bad(tmp_path, [command, "--dataset", str(configs / config), *FAST[command], "--out", str(tmp_path / "o")],
-               message)
+    assert_bad(
+        tmp_path, [command, "--dataset", str(configs / config), *FAST[command], "--out", str(tmp_path / "o")], message
+    )
 
 
 @pytest.mark.parametrize("command", ("flips", "verify"))
 def test_shard_without_requests(tmp_path, command):
     # 2 requests at batch size 8 are one group: a second shard would decode nothing.
-    assert_bad(tmp_path, [command, *FAST[command], "--shard", "1/2", "--out", str(tmp_path / "o")],
-               "shard 1/2 gets no requests")
+    assert_bad(
+        tmp_path,
+        [command, *FAST[command], "--shard", "1/2", "--out", str(tmp_path / "o")],
+        "shard 1/2 gets no requests",
+    )
 
 
 @pytest.mark.parametrize("command", ("flips", "verify"))
@@ -101,9 +129,14 @@ def test_shard_and_resume_need_out(tmp_path, monkeypatch, command, args):
 @pytest.mark.parametrize("command", COMMANDS)
 def test_zero_batch_size_and_tokens(tmp_path, command):
     size = "--batch-sizes" if command == "verify" else "--batch-size"
-    assert_bad(tmp_path, [command, *FAST[command], size, "0", "--out", str(tmp_path / "o")], "batch size must be at least 1")
-    assert_bad(tmp_path, [command, *FAST[command], "--max-new-tokens", "0", "--out", str(tmp_path / "o")],
-               "--max-new-tokens must be at least 1")
+    assert_bad(
+        tmp_path, [command, *FAST[command], size, "0", "--out", str(tmp_path / "o")], "batch size must be at least 1"
+    )
+    assert_bad(
+        tmp_path,
+        [command, *FAST[command], "--max-new-tokens", "0", "--out", str(tmp_path / "o")],
+        "--max-new-tokens must be at least 1",
+    )
 
 
 @pytest.mark.parametrize("command", ("verify", "compare"))
@@ -119,15 +152,21 @@ def test_bad_threshold(tmp_path, command, threshold):
 def test_calibration_for_another_model(tmp_path, command):
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({"kind": "mgbench.calibration", "model": "llama-3.1-8b", "tau": 0.5}))
-    assert_bad(tmp_path, [command, "--limit", "2", "--threshold-from", str(calibration), "--out", str(tmp_path / "o")],
-               "calibrated for model 'llama-3.1-8b', not 'smollm2-135m'; calibrate this model first")
+    assert_bad(
+        tmp_path,
+        [command, "--limit", "2", "--threshold-from", str(calibration), "--out", str(tmp_path / "o")],
+        "calibrated for model 'llama-3.1-8b', not 'smollm2-135m'; calibrate this model first",
+    )
 
 
 @pytest.mark.parametrize("command", ("verify", "compare"))
 def test_calibration_file_that_is_not_one(tmp_path, command):
     (tmp_path / "c.json").write_text("{not json")
-    assert_bad(tmp_path, [command, "--threshold-from", str(tmp_path / "c.json"), "--out", str(tmp_path / "o")],
-               "cannot read it as JSON")
+    assert_bad(
+        tmp_path,
+        [command, "--threshold-from", str(tmp_path / "c.json"), "--out", str(tmp_path / "o")],
+        "cannot read it as JSON",
+    )
 
 
 @pytest.mark.parametrize("command", [*COMMANDS, "report"])

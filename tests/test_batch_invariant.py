@@ -6,13 +6,13 @@ import json
 import pandas as pd
 import pytest
 import torch
+from helpers import RowCountPerturbedLinear, plain_flip_audit, plant_near_ties, random_prompts, tiny_llama
 from typer.testing import CliRunner
 
-from helpers import RowCountPerturbedLinear, plain_flip_audit, plant_near_ties, random_prompts, tiny_llama
 from mgbench.cli import app
-from mgbench.engine.batch_invariant import batch_invariant, chunk_sizes, decoding_mode, run_in_chunks
-from mgbench.engine.probe import probe_model
-from mgbench.engine.runners import run_free, run_solo, run_teacher_forced
+from mgbench.engines.inprocess.batch_invariant import batch_invariant, chunk_sizes, decoding_mode, run_in_chunks
+from mgbench.engines.inprocess.invariance_probe import probe_model
+from mgbench.engines.inprocess.runners import run_free, run_solo, run_teacher_forced
 
 PAD_ID = 0
 runner = CliRunner()
@@ -93,7 +93,7 @@ def test_the_mode_leaves_nothing_behind(perturbed):
 def test_every_planned_form_equals_the_module_row_by_row(perturbed):
     """Whatever form the probe picked (chunks or one GEMV per row), it equals the module on each
     row alone on fresh inputs too."""
-    from mgbench.engine.batch_invariant import apply_form
+    from mgbench.engines.inprocess.batch_invariant import apply_form
 
     model, probe, _ = perturbed
     named = dict(model.named_modules())
@@ -108,9 +108,27 @@ def test_every_planned_form_equals_the_module_row_by_row(perturbed):
 
 # --- the CLI on the tiny local model folder ---
 
+
 def flips_cli(folder, out, *args):
-    return runner.invoke(app, ["flips", "--model", str(folder), "--dataset", "gsm8k", "--limit", "6", "--batch-size",
-                               "6", "--max-new-tokens", "16", "--out", str(out), *args])
+    return runner.invoke(
+        app,
+        [
+            "flips",
+            "--model",
+            str(folder),
+            "--dataset",
+            "gsm8k",
+            "--limit",
+            "6",
+            "--batch-size",
+            "6",
+            "--max-new-tokens",
+            "16",
+            "--out",
+            str(out),
+            *args,
+        ],
+    )
 
 
 def test_flips_batch_invariant_has_no_flips_where_plain_flips(planted_model_dir, tmp_path):
@@ -133,8 +151,10 @@ def test_flips_batch_invariant_has_no_flips_where_plain_flips(planted_model_dir,
 
 
 def test_probe_command_writes_probe_json(tiny_model_dir, tmp_path):
-    result = runner.invoke(app, ["probe", "--model", str(tiny_model_dir), "--dataset", "gsm8k", "--rows", "4",
-                                 "--out", str(tmp_path / "p")])
+    result = runner.invoke(
+        app,
+        ["probe", "--model", str(tiny_model_dir), "--dataset", "gsm8k", "--rows", "4", "--out", str(tmp_path / "p")],
+    )
     assert result.exit_code == 0, result.output
     probe = json.loads((tmp_path / "p" / "probe.json").read_text())
     assert probe["kind"] == "mgbench.probe" and probe["rows"] == 4 and probe["pad_lens"] == [0, 1, 2, 3]
@@ -146,8 +166,9 @@ def test_probe_command_writes_probe_json(tiny_model_dir, tmp_path):
         row = next(line for line in lines if finding["name"].split(" ")[0] in line and finding["op"] in line)
         assert (" yes " in row) == finding["invariant"], row
     assert set(probe["machine"]["kernel_environment"]) == {"ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"}
-    as_json = runner.invoke(app, ["probe", "--model", str(tiny_model_dir), "--rows", "2", "--json",
-                                  "--out", str(tmp_path / "q")])
+    as_json = runner.invoke(
+        app, ["probe", "--model", str(tiny_model_dir), "--rows", "2", "--json", "--out", str(tmp_path / "q")]
+    )
     assert json.loads(as_json.stdout)["rows"] == 2
     bad = runner.invoke(app, ["probe", "--model", str(tiny_model_dir), "--rows", "1", "--out", str(tmp_path / "r")])
     assert bad.exit_code == 2 and "--rows must be at least 2" in bad.stderr and not (tmp_path / "r").exists()
@@ -173,5 +194,7 @@ def test_default_model_batch_invariant_mode_is_solo_bitwise(default_lm, math500_
     independent = plain_flip_audit(model, prompts, 16, "alone")
     diff = torch.stack([torch.from_numpy(row["max_abs_logit_diff"]) for row in plain.rows])
     assert torch.equal(diff, independent["max_abs_logit_diff"])
-    print(f"\n[this machine] default model, 4 math500 prompts x 16 steps, plain batched: max |logit diff| "
-          f"{float(diff.max()):.4g}, flips {int(independent['flipped'].sum())}")
+    print(
+        f"\n[this machine] default model, 4 math500 prompts x 16 steps, plain batched: max |logit diff| "
+        f"{float(diff.max()):.4g}, flips {int(independent['flipped'].sum())}"
+    )

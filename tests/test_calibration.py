@@ -7,22 +7,41 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from mgbench import calibration, results
-from mgbench.calibrate_run import CalibrateOptions, calibrate
+from mgbench.analysis import calibration
+from mgbench.analysis.calibration import CalibrateOptions
 from mgbench.cli import app
 from mgbench.errors import UserError
+from mgbench.pipelines.calibrate import calibrate
+from mgbench.runs import rundir, schema
 
 runner = CliRunner()
 
 
 def steps_frame(margins, flipped, ulps=None, model="m", dataset="d"):
     n = len(margins)
-    return pd.DataFrame({
-        "model": model, "dataset": dataset, "request_id": np.arange(n), "batch_id": 0, "row": 0, "batch_size": 8,
-        "pad_len": 3, "method": "teacher-forced", "step": np.arange(n), "solo_token": 1, "batched_token": 1, "flipped": np.array(flipped, bool),
-        "margin": np.array(margins, np.float32), "margin_ulp": np.array(ulps if ulps is not None else margins, np.float32) * (1 if ulps is not None else 8),
-        "solo_margin": np.array(margins, np.float32), "max_abs_logit_diff": 0.0, "logprob_drift": 0.0, "kv_delta_mean": 0.0, "kv_delta_max": 0.0,
-    })
+    return pd.DataFrame(
+        {
+            "model": model,
+            "dataset": dataset,
+            "request_id": np.arange(n),
+            "batch_id": 0,
+            "row": 0,
+            "batch_size": 8,
+            "pad_len": 3,
+            "method": "teacher-forced",
+            "step": np.arange(n),
+            "solo_token": 1,
+            "batched_token": 1,
+            "flipped": np.array(flipped, bool),
+            "margin": np.array(margins, np.float32),
+            "margin_ulp": np.array(ulps if ulps is not None else margins, np.float32) * (1 if ulps is not None else 8),
+            "solo_margin": np.array(margins, np.float32),
+            "max_abs_logit_diff": 0.0,
+            "logprob_drift": 0.0,
+            "kv_delta_mean": 0.0,
+            "kv_delta_max": 0.0,
+        }
+    )
 
 
 MARGINS = [0.0625, 0.125, 0.25, 0.25, 0.5, 1.0, 2.0, 4.0]
@@ -88,17 +107,21 @@ def test_curve_is_monotone_and_reaches_full_recall_at_tau_min():
 
 def test_transfer_shows_misses():
     other = steps_frame([0.1, 0.7, 2.0, 3.0], [False, True, False, False], dataset="other")
-    document, _ = calibrate(steps_frame(MARGINS, FLIPS), {"other": other},
-                            CalibrateOptions(calibration.SafetyRule("x", 1.0)), ["s"])
+    document, _ = calibrate(
+        steps_frame(MARGINS, FLIPS), {"other": other}, CalibrateOptions(calibration.SafetyRule("x", 1.0)), ["s"]
+    )
     row = next(r for r in document["transfer"] if r["unit"] == "logit")
     assert row["recall"] == 0.0 and row["missed"] == 1 and row["trigger_rate"] == pytest.approx(0.25)
 
 
-@pytest.mark.parametrize("mutate,message", [
-    (lambda f: f.assign(margin=np.where(f.index == 2, np.nan, f["margin"])), "NaN"),
-    (lambda f: f.drop(columns=["margin_ulp"]), "lacks columns"),
-    (lambda f: f.assign(margin=-f["margin"]), "negative"),
-])
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda f: f.assign(margin=np.where(f.index == 2, np.nan, f["margin"])), "NaN"),
+        (lambda f: f.drop(columns=["margin_ulp"]), "lacks columns"),
+        (lambda f: f.assign(margin=-f["margin"]), "negative"),
+    ],
+)
 def test_invalid_tables(mutate, message):
     with pytest.raises(UserError, match=message):
         calibration.validate_steps(mutate(steps_frame(MARGINS, FLIPS)), "t")
@@ -106,13 +129,19 @@ def test_invalid_tables(mutate, message):
 
 def test_mixed_models_are_refused():
     with pytest.raises(UserError, match="mix models"):
-        calibrate(steps_frame(MARGINS, FLIPS), {"o": steps_frame(MARGINS, FLIPS, model="other")},
-                  CalibrateOptions(calibration.SafetyRule("x", 1.5)), [])
+        calibrate(
+            steps_frame(MARGINS, FLIPS),
+            {"o": steps_frame(MARGINS, FLIPS, model="other")},
+            CalibrateOptions(calibration.SafetyRule("x", 1.5)),
+            [],
+        )
 
 
 def write_run(path, frame):
-    table = results.pa.Table.from_pandas(frame[results.STEPS_SCHEMA.names], schema=results.STEPS_SCHEMA, preserve_index=False)
-    results.publish_run(path, {"steps": table}, {})
+    table = rundir.pa.Table.from_pandas(
+        frame[schema.STEPS_SCHEMA.names], schema=schema.STEPS_SCHEMA, preserve_index=False
+    )
+    rundir.publish_run(path, {"steps": table}, {})
     return path
 
 
@@ -162,9 +191,25 @@ def test_calibrate_records_real_traces_then_reuses_them(tmp_path):
     import sys
 
     env = {**os.environ, "MGBENCH_TRACES": str(tmp_path / "traces")}
-    command = [sys.executable, "-m", "mgbench", "calibrate", "--dataset", "math500", "--limit", "4", "--batch-size", "4",
-               "--max-new-tokens", "12", "--transfer", "humaneval"]
-    first = subprocess.run([*command, "--out", str(tmp_path / "a")], capture_output=True, text=True, env=env, timeout=900)
+    command = [
+        sys.executable,
+        "-m",
+        "mgbench",
+        "calibrate",
+        "--dataset",
+        "math500",
+        "--limit",
+        "4",
+        "--batch-size",
+        "4",
+        "--max-new-tokens",
+        "12",
+        "--transfer",
+        "humaneval",
+    ]
+    first = subprocess.run(
+        [*command, "--out", str(tmp_path / "a")], capture_output=True, text=True, env=env, timeout=900
+    )
     assert first.returncode == 0, first.stderr[-2000:]
     assert "math500: recorded traces" in first.stderr and "humaneval: recorded traces" in first.stderr
     document = json.loads((tmp_path / "a" / "calibration.json").read_text())
@@ -175,7 +220,9 @@ def test_calibrate_records_real_traces_then_reuses_them(tmp_path):
     math500 = [t for t in traces if (t["dataset"] == "math500").all()]
     assert document["flips"] == sum(int(t["flipped"].sum()) for t in math500)
     print(f"\n[this machine] default model, math500 4x12 tokens at batch 4: {document['flips']} flips")
-    second = subprocess.run([*command, "--out", str(tmp_path / "b")], capture_output=True, text=True, env=env, timeout=900)
+    second = subprocess.run(
+        [*command, "--out", str(tmp_path / "b")], capture_output=True, text=True, env=env, timeout=900
+    )
     assert second.returncode == 0 and "math500: reused cached traces" in second.stderr
     assert json.loads((tmp_path / "b" / "calibration.json").read_text())["tau"] == document["tau"]
 
@@ -189,8 +236,24 @@ def test_calibrate_on_planted_flips_puts_tau_above_every_flip(tmp_path, monkeypa
 
     plant_every_loaded_model(monkeypatch, delta=0.5)
     monkeypatch.setenv("MGBENCH_TRACES", str(tmp_path / "traces"))
-    result = runner.invoke(app, ["calibrate", "--dataset", "math500", "--limit", "4", "--batch-size", "4",
-                                 "--max-new-tokens", "12", "--transfer", "humaneval", "--out", str(tmp_path / "a")])
+    result = runner.invoke(
+        app,
+        [
+            "calibrate",
+            "--dataset",
+            "math500",
+            "--limit",
+            "4",
+            "--batch-size",
+            "4",
+            "--max-new-tokens",
+            "12",
+            "--transfer",
+            "humaneval",
+            "--out",
+            str(tmp_path / "a"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     document = json.loads((tmp_path / "a" / "calibration.json").read_text())
     assert document["flips"] > 0

@@ -13,11 +13,37 @@ from mgbench.cli import app
 
 runner = CliRunner()
 
-STEP_COLUMNS = ["request_id", "batch_id", "row", "batch_size", "pad_len", "method", "step", "solo_token", "batched_token",
-                "flipped", "margin", "margin_ulp", "solo_margin", "max_abs_logit_diff", "logprob_drift", "kv_delta_mean", "kv_delta_max"]
+STEP_COLUMNS = [
+    "request_id",
+    "batch_id",
+    "row",
+    "batch_size",
+    "pad_len",
+    "method",
+    "step",
+    "solo_token",
+    "batched_token",
+    "flipped",
+    "margin",
+    "margin_ulp",
+    "solo_margin",
+    "max_abs_logit_diff",
+    "logprob_drift",
+    "kv_delta_mean",
+    "kv_delta_max",
+]
 SEQUENCE_COLUMNS = ["request_id", "dataset", "prompt_ids", "solo_ids", "batched_ids", "first_divergence", "identical"]
-SUMMARY_KEYS = ["steps", "flips", "flip_rate", "sequences", "sequences_diverged", "solo_tokens_per_s",
-                "batched_tokens_per_s", "margin_logit_quantiles_flip", "margin_logit_quantiles_non_flip"]
+SUMMARY_KEYS = [
+    "steps",
+    "flips",
+    "flip_rate",
+    "sequences",
+    "sequences_diverged",
+    "solo_tokens_per_s",
+    "batched_tokens_per_s",
+    "margin_logit_quantiles_flip",
+    "margin_logit_quantiles_non_flip",
+]
 
 
 def bad(args, message):
@@ -28,14 +54,17 @@ def bad(args, message):
     assert "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--batch-size", "0"], "batch size must be at least 1"),
-    (["--batch-sizes", "4,x"], "comma-separated integers"),
-    (["--limit", "0"], "--limit must be at least 1"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
-    (["--prefill", "sideways"], "--prefill"),
-    (["--dtype", "int3"], "--dtype"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--batch-size", "0"], "batch size must be at least 1"),
+        (["--batch-sizes", "4,x"], "comma-separated integers"),
+        (["--limit", "0"], "--limit must be at least 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+        (["--prefill", "sideways"], "--prefill"),
+        (["--dtype", "int3"], "--dtype"),
+    ],
+)
 def test_bad_option_values(tmp_path, args, message):
     bad(["flips", *args, "--out", str(tmp_path / "o")], message)
 
@@ -53,8 +82,24 @@ def test_listings():
 
 
 def run_flips(out):
-    command = [sys.executable, "-m", "mgbench", "flips", "--model", "smollm2-135m", "--dataset", "gsm8k",
-               "--limit", "3", "--batch-size", "3", "--max-new-tokens", "10", "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "mgbench",
+        "flips",
+        "--model",
+        "smollm2-135m",
+        "--dataset",
+        "gsm8k",
+        "--limit",
+        "3",
+        "--batch-size",
+        "3",
+        "--max-new-tokens",
+        "10",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return done

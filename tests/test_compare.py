@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from mgbench import analysis
+from mgbench.analysis import figures
 from mgbench.cli import app
 
 runner = CliRunner()
@@ -17,20 +17,35 @@ def synthetic_runs():
     rows = []
     # repeat 0 and 1 (2 is an outlier for `none`): medians must ignore it
     for repeat, (none, always, margin) in enumerate([(10.0, 30.0, 14.0), (10.0, 34.0, 15.0), (20.0, 30.0, 14.0)]):
-        for config, seconds, triggers in (("none", none, 0), ("always/exact", always, 100), ("margin<0.5/exact", margin, 15)):
-            rows.append({"config": config, "repeat": repeat, "seconds": seconds, "tokens": 200, "sequences": 4,
-                         "identical": 4 if config != "none" else 2, "steps": 100, "triggers": triggers, "repairs": 1})
+        for config, seconds, triggers in (
+            ("none", none, 0),
+            ("always/exact", always, 100),
+            ("margin<0.5/exact", margin, 15),
+        ):
+            rows.append(
+                {
+                    "config": config,
+                    "repeat": repeat,
+                    "seconds": seconds,
+                    "tokens": 200,
+                    "sequences": 4,
+                    "identical": 4 if config != "none" else 2,
+                    "steps": 100,
+                    "triggers": triggers,
+                    "repairs": 1,
+                }
+            )
     return pd.DataFrame(rows)
 
 
 def test_increment_and_reduction_arithmetic():
-    assert analysis.latency_increment(15.0, 10.0) == pytest.approx(0.5)
-    assert analysis.increment_reduction(2.0, 0.5) == pytest.approx(4.0)
-    assert analysis.increment_reduction(2.0, 0.0) is None and analysis.increment_reduction(2.0, -0.1) is None
+    assert figures.latency_increment(15.0, 10.0) == pytest.approx(0.5)
+    assert figures.increment_reduction(2.0, 0.5) == pytest.approx(4.0)
+    assert figures.increment_reduction(2.0, 0.0) is None and figures.increment_reduction(2.0, -0.1) is None
 
 
 def test_compare_table_medians_and_increments():
-    table = analysis.compare_table(synthetic_runs()).set_index("config")
+    table = figures.compare_table(synthetic_runs()).set_index("config")
     assert table.loc["none", "seconds"] == 10.0  # median of 10, 10, 20
     # per-repeat increments of always: 2.0, 2.4, 0.5 -> median 2.0
     assert table.loc["always/exact", "increment"] == pytest.approx(2.0)
@@ -41,11 +56,11 @@ def test_compare_table_medians_and_increments():
 
 
 def test_reductions_per_repeat():
-    result = analysis.reductions(synthetic_runs(), "exact")
+    result = figures.reductions(synthetic_runs(), "exact")
     # repeat 0: 2.0/0.4 = 5; repeat 1: 2.4/0.5 = 4.8; repeat 2: margin faster than none -> not measurable
     assert result["per_repeat"][:2] == pytest.approx([5.0, 4.8]) and result["per_repeat"][2] is None
     assert result["median"] == pytest.approx(4.9) and result["min"] == pytest.approx(4.8)
-    assert analysis.reductions(synthetic_runs(), "column")["median"] is None
+    assert figures.reductions(synthetic_runs(), "column")["median"] is None
 
 
 @pytest.fixture(scope="module")
@@ -53,17 +68,45 @@ def compare_run_dir(planted_model_dir, tmp_path_factory):
     """compare on the planted model: plain batched decoding flips at every multi-row step (certain
     on any machine), so the repairs and the batch-invariant mode have something to restore."""
     out = tmp_path_factory.mktemp("runs") / "compare"
-    result = runner.invoke(app, ["compare", "--model", str(planted_model_dir), "--dataset", "gsm8k", "--limit", "4",
-                                 "--batch-size", "4", "--max-new-tokens", "16", "--repeats", "2", "--threshold", "0.05",
-                                 "--out", str(out)])
+    result = runner.invoke(
+        app,
+        [
+            "compare",
+            "--model",
+            str(planted_model_dir),
+            "--dataset",
+            "gsm8k",
+            "--limit",
+            "4",
+            "--batch-size",
+            "4",
+            "--max-new-tokens",
+            "16",
+            "--repeats",
+            "2",
+            "--threshold",
+            "0.05",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     return out
 
 
 def test_compare_harness_excludes_warmup_and_reports_every_config(compare_run_dir):
     runs = pd.read_parquet(compare_run_dir / "compare.parquet")
-    configs = ["none", "always/column", "always/exact", "margin<0.05/column", "margin<0.05/exact", "oracle/column",
-               "oracle/exact", "batch-invariant", "solo"]
+    configs = [
+        "none",
+        "always/column",
+        "always/exact",
+        "margin<0.05/column",
+        "margin<0.05/exact",
+        "oracle/column",
+        "oracle/exact",
+        "batch-invariant",
+        "solo",
+    ]
     assert list(runs["config"].unique()) == configs
     assert sorted(runs["repeat"].unique()) == [0, 1]  # the warm-up pass is not recorded
     assert len(runs) == len(configs) * 2

@@ -5,11 +5,11 @@ import json
 
 import pandas as pd
 import pytest
+from stub_openai import StubServer, StubState
 from typer.testing import CliRunner
 
+from mgbench.analysis.divergence import Decoded, first_divergence_columns, logprob_drift, repeat_agreement, top2_margin
 from mgbench.cli import app
-from mgbench.divergence import Decoded, first_divergence_columns, logprob_drift, repeat_agreement, top2_margin
-from stub_openai import StubServer, StubState
 
 runner = CliRunner()
 AUDIT = ["flips", "--dataset", "gsm8k", "--limit", "4", "--batch-size", "2", "--max-new-tokens", "6"]
@@ -83,36 +83,53 @@ def one_line_exit_2(result, message, out):
     assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial*")), "half-written run"
 
 
-@pytest.mark.parametrize("state,message", [
-    (StubState(mode="not-openai"), "not an OpenAI model list"),
-    (StubState(mode="no-logprobs"), "no top logprobs"),
-    (StubState(mode="text-keys"), "by token text"),
-    (StubState(models=("a", "b")), "choose one with --served-model"),
-    (StubState(mode="http-500"), "HTTP 500: TypeError: 'function' object is not subscriptable"),
-])
+@pytest.mark.parametrize(
+    "state,message",
+    [
+        (StubState(mode="not-openai"), "not an OpenAI model list"),
+        (StubState(mode="no-logprobs"), "no top logprobs"),
+        (StubState(mode="text-keys"), "by token text"),
+        (StubState(models=("a", "b")), "choose one with --served-model"),
+        (StubState(mode="http-500"), "HTTP 500: TypeError: 'function' object is not subscriptable"),
+    ],
+)
 def test_server_faults_exit_2_in_one_line(tmp_path, state, message):
     with StubServer(state) as server:
         one_line_exit_2(flips(server.url, tmp_path / "run"), message, tmp_path / "run")
 
 
 def test_unknown_served_model_and_nothing_listening(tmp_path):
-    from mgbench.endpoint.local_server import free_port
+    from mgbench.engines.endpoint.local_server import free_port
 
     with StubServer() as server:
-        one_line_exit_2(flips(server.url, tmp_path / "run", "--served-model", "nope"), "does not serve 'nope'",
-                        tmp_path / "run")
-    one_line_exit_2(flips(f"http://127.0.0.1:{free_port()}/v1", tmp_path / "run"), "nothing is listening",
-                    tmp_path / "run")
+        one_line_exit_2(
+            flips(server.url, tmp_path / "run", "--served-model", "nope"), "does not serve 'nope'", tmp_path / "run"
+        )
+    one_line_exit_2(
+        flips(f"http://127.0.0.1:{free_port()}/v1", tmp_path / "run"), "nothing is listening", tmp_path / "run"
+    )
 
 
 def test_timeout_exits_2(tmp_path):
     with StubServer(StubState(mode="slow", fail_after=1)) as server:
-        one_line_exit_2(flips(server.url, tmp_path / "run", "--request-timeout", "0.5"),
-                        "within --request-timeout 0.5 s", tmp_path / "run")
+        one_line_exit_2(
+            flips(server.url, tmp_path / "run", "--request-timeout", "0.5"),
+            "within --request-timeout 0.5 s",
+            tmp_path / "run",
+        )
 
 
-@pytest.mark.parametrize("option", [["--dtype", "fp32"], ["--prefill", "batched"], ["--batch-invariant"],
-                                    ["--attn", "eager"], ["--device", "cpu"], ["--shard", "0/2"]])
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--dtype", "fp32"],
+        ["--prefill", "batched"],
+        ["--batch-invariant"],
+        ["--attn", "eager"],
+        ["--device", "cpu"],
+        ["--shard", "0/2"],
+    ],
+)
 def test_in_process_options_are_refused_with_the_reason(tmp_path, option):
     result = runner.invoke(app, [*AUDIT, "--endpoint", "http://127.0.0.1:9/v1", *option, "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "cannot apply to --endpoint" in result.stderr, result.output
@@ -142,8 +159,10 @@ def test_dropped_connection_then_resume_equals_an_uninterrupted_run(tmp_path):
         resumed = flips(url, tmp_path / "run", "--resume")
     assert resumed.exit_code == 0, resumed.output
     for table in ("steps", "sequences"):
-        pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "run" / f"{table}.parquet"),
-                                      pd.read_parquet(tmp_path / "whole" / f"{table}.parquet"))
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(tmp_path / "run" / f"{table}.parquet"),
+            pd.read_parquet(tmp_path / "whole" / f"{table}.parquet"),
+        )
 
 
 def test_baseline_gate_on_an_endpoint_run(tmp_path):

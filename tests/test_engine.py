@@ -3,11 +3,18 @@ negative and positive controls, exact cache operations."""
 
 import pytest
 import torch
+from helpers import (
+    plain_flip_audit,
+    plain_teacher_forced,
+    plant_near_ties,
+    plant_nudged_head,
+    random_prompts,
+    tiny_llama,
+)
 
-from helpers import plain_flip_audit, plain_teacher_forced, plant_near_ties, plant_nudged_head, random_prompts, tiny_llama
-from mgbench.engine import cache as cache_ops
-from mgbench.engine.decode import prefill_alone
-from mgbench.engine.runners import run_free, run_solo, run_teacher_forced
+from mgbench.engines.inprocess import cache as cache_ops
+from mgbench.engines.inprocess.decode import prefill_alone
+from mgbench.engines.inprocess.runners import run_free, run_solo, run_teacher_forced
 
 PAD_ID = 0
 
@@ -20,15 +27,17 @@ def solos_of(model, prompts, steps):
 @pytest.mark.slow
 def test_solo_runner_reproduces_hf_generate_on_default_model(default_lm, math500_prompts):
     model, tokenizer = default_lm.model, default_lm.tokenizer
-    from mgbench.audit import eos_token_ids
+    from mgbench.engines.inprocess.audit import eos_token_ids
 
     eos = eos_token_ids(model, tokenizer)
     for ids in math500_prompts[:3]:
         prompt = torch.tensor(ids)
         with torch.inference_mode():
             ours = run_solo(model, prompt, 24, eos).tokens.tolist()
-            theirs = model.generate(prompt.view(1, -1), max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        assert ours == theirs[0, len(ids):].tolist()
+            theirs = model.generate(
+                prompt.view(1, -1), max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
+        assert ours == theirs[0, len(ids) :].tolist()
 
 
 def engine_columns(result, name):
@@ -97,8 +106,10 @@ def test_natural_batch_agrees_with_independent_loop(lengths, prefill, capsys):
         if diff[row].max() == 0:
             assert free.tokens[row] == solo.tokens.tolist(), f"row {row} equals solo at every step"
     with capsys.disabled():
-        print(f"\n[this machine] {prefill} prefill, pads {result.pad_lens}: rows differing from solo "
-              f"{[r for r in range(len(prompts)) if diff[r].max() > 0]}, flips {int(independent['flipped'].sum())}")
+        print(
+            f"\n[this machine] {prefill} prefill, pads {result.pad_lens}: rows differing from solo "
+            f"{[r for r in range(len(prompts)) if diff[r].max() > 0]}, flips {int(independent['flipped'].sum())}"
+        )
 
 
 def test_planted_padded_batch_flips_and_diverges():
@@ -122,7 +133,7 @@ def test_planted_padded_batch_flips_and_diverges():
 def test_probe_accounts_for_every_row_that_differs():
     """Negative control inside the probe: a row where every op equals the op on the row alone
     must give the solo logits; the rows that differ are a subset of the rows with a varying op."""
-    from mgbench.engine.probe import probe_model
+    from mgbench.engines.inprocess.invariance_probe import probe_model
 
     model = tiny_llama()
     with torch.inference_mode():

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from mgbench import gate
+from mgbench.analysis import gate
 from mgbench.cli import app
 
 runner = CliRunner()
@@ -22,10 +22,11 @@ runner = CliRunner()
 
 def test_sign_test_and_paired_test():
     assert gate.sign_test_p(0, 0) == 1.0
-    assert gate.sign_test_p(7, 0) == pytest.approx(0.5 ** 7)
+    assert gate.sign_test_p(7, 0) == pytest.approx(0.5**7)
     assert gate.sign_test_p(3, 3) > 0.5
-    steps = pd.DataFrame({"request_id": [1, 1, 2, 2], "batch_size": 4, "step": [0, 1, 0, 1],
-                          "flipped": [True, False, False, True]})
+    steps = pd.DataFrame(
+        {"request_id": [1, 1, 2, 2], "batch_size": 4, "step": [0, 1, 0, 1], "flipped": [True, False, False, True]}
+    )
     same = gate.paired_test(steps, steps, ["request_id", "batch_size", "step"], "flipped")
     assert same["p_value"] == 1.0 and same["newly_bad"] == same["newly_good"] == 0 and same["pairs"] == 4
     clean = steps.assign(flipped=False)
@@ -51,8 +52,22 @@ def test_help_examples_fit_an_80_column_terminal():
 
 
 def flips_args(folder, out, *extra):
-    return ["flips", "--model", str(folder), "--dataset", "gsm8k", "--limit", "8", "--batch-size", "8",
-            "--max-new-tokens", "24", "--out", str(out), *extra]
+    return [
+        "flips",
+        "--model",
+        str(folder),
+        "--dataset",
+        "gsm8k",
+        "--limit",
+        "8",
+        "--batch-size",
+        "8",
+        "--max-new-tokens",
+        "24",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +82,17 @@ def base_run(planted_model_dir, tmp_path_factory):
 def test_thresholds_exit_1_with_a_failing_junit_case(planted_model_dir, base_run, tmp_path):
     summary = json.loads((base_run / "summary.json").read_text())
     assert summary["determinism"] < 1.0 and summary["flips"] > 0, "positive control: the planted head flips"
-    strict = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "strict", "--require-determinism", "1.0",
-                                           "--junit", str(tmp_path / "strict.xml")))
+    strict = runner.invoke(
+        app,
+        flips_args(
+            planted_model_dir,
+            tmp_path / "strict",
+            "--require-determinism",
+            "1.0",
+            "--junit",
+            str(tmp_path / "strict.xml"),
+        ),
+    )
     assert strict.exit_code == 1, strict.output
     junit = (tmp_path / "strict.xml").read_text()
     assert 'failures="0"' not in junit and 'name="batch_size=8"' in junit
@@ -76,19 +100,43 @@ def test_thresholds_exit_1_with_a_failing_junit_case(planted_model_dir, base_run
     gated = json.loads((tmp_path / "strict" / "summary.json").read_text())["gate"]
     assert gated["passed"] is False and gated["failures"][0]["by"] == pytest.approx(1 - summary["determinism"])
     # Negative control, clean by construction: the batch-invariant mode runs the planted head per row.
-    exact = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "exact", "--batch-invariant",
-                                          "--require-determinism", "1.0", "--junit", str(tmp_path / "exact.xml")))
+    exact = runner.invoke(
+        app,
+        flips_args(
+            planted_model_dir,
+            tmp_path / "exact",
+            "--batch-invariant",
+            "--require-determinism",
+            "1.0",
+            "--junit",
+            str(tmp_path / "exact.xml"),
+        ),
+    )
     assert exact.exit_code == 0, exact.output
     assert 'failures="0"' in (tmp_path / "exact.xml").read_text()
-    lenient = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "lenient", "--require-determinism", "0",
-                                            "--max-flip-rate", "1", "--json"))
+    lenient = runner.invoke(
+        app,
+        flips_args(
+            planted_model_dir, tmp_path / "lenient", "--require-determinism", "0", "--max-flip-rate", "1", "--json"
+        ),
+    )
     assert lenient.exit_code == 0, lenient.output
     assert json.loads(lenient.stdout)["gate"]["passed"] is True
 
 
 def test_baseline_of_itself_passes_with_p_1(planted_model_dir, base_run, tmp_path):
-    result = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "again", "--baseline", str(base_run),
-                                           "--junit", str(tmp_path / "j.xml"), "--json"))
+    result = runner.invoke(
+        app,
+        flips_args(
+            planted_model_dir,
+            tmp_path / "again",
+            "--baseline",
+            str(base_run),
+            "--junit",
+            str(tmp_path / "j.xml"),
+            "--json",
+        ),
+    )
     assert result.exit_code == 0, result.output
     tests = json.loads(result.stdout)["gate"]["baseline"]["tests"]
     assert tests["flip_rate"]["p_value"] == 1.0 and tests["diverged"]["p_value"] == 1.0
@@ -117,8 +165,9 @@ def test_regression_against_a_cleaner_baseline_exits_1(planted_model_dir, base_r
     summary = json.loads((base_run / "summary.json").read_text())
     assert summary["flips"] >= 3, "the planted head flips every multi-row step: enough to bite"
     clean = plant_clean_baseline(base_run, tmp_path / "clean")
-    result = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "now", "--baseline", str(clean), "--alpha",
-                                           "0.2", "--json"))
+    result = runner.invoke(
+        app, flips_args(planted_model_dir, tmp_path / "now", "--baseline", str(clean), "--alpha", "0.2", "--json")
+    )
     assert result.exit_code == 1, f"{summary['flips']} flips against none; {result.output}"
     verdict = json.loads(result.stdout)["gate"]
     assert "flip_rate" in verdict["baseline"]["regressed"]
@@ -128,26 +177,43 @@ def test_regression_against_a_cleaner_baseline_exits_1(planted_model_dir, base_r
 
 
 def test_baseline_of_other_prompts_or_model_is_refused(planted_model_dir, base_run, tmp_path):
-    other = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "o", "--seed", "3", "--baseline", str(base_run)))
+    other = runner.invoke(
+        app, flips_args(planted_model_dir, tmp_path / "o", "--seed", "3", "--baseline", str(base_run))
+    )
     assert other.exit_code == 2 and "is not the same audit" in other.stderr and "requests" in other.stderr
     assert len(other.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
-    longer = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "l", "--max-new-tokens", "8",
-                                           "--baseline", str(base_run)))
+    longer = runner.invoke(
+        app, flips_args(planted_model_dir, tmp_path / "l", "--max-new-tokens", "8", "--baseline", str(base_run))
+    )
     assert longer.exit_code == 2 and "max_new_tokens" in longer.stderr
     wrong_kind = runner.invoke(app, flips_args(planted_model_dir, tmp_path / "w", "--baseline", str(tmp_path)))
     assert wrong_kind.exit_code == 2 and "not a finished mgbench run directory" in wrong_kind.stderr
 
 
 def test_verify_baseline_of_itself_passes(planted_model_dir, tmp_path):
-    args = ["verify", "--model", str(planted_model_dir), "--dataset", "gsm8k", "--limit", "4", "--batch-sizes", "4",
-            "--max-new-tokens", "12", "--policy", "none"]
+    args = [
+        "verify",
+        "--model",
+        str(planted_model_dir),
+        "--dataset",
+        "gsm8k",
+        "--limit",
+        "4",
+        "--batch-sizes",
+        "4",
+        "--max-new-tokens",
+        "12",
+        "--policy",
+        "none",
+    ]
     first = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])
     assert first.exit_code == 0, first.output
     second = runner.invoke(app, [*args, "--out", str(tmp_path / "b"), "--baseline", str(tmp_path / "a"), "--json"])
     assert second.exit_code == 0, second.output
     assert json.loads(second.stdout)["gate"]["baseline"]["tests"]["diverged"]["p_value"] == 1.0
-    other_policy = runner.invoke(app, [*args[:-1], "always", "--out", str(tmp_path / "c"), "--baseline",
-                                       str(tmp_path / "a")])
+    other_policy = runner.invoke(
+        app, [*args[:-1], "always", "--out", str(tmp_path / "c"), "--baseline", str(tmp_path / "a")]
+    )
     assert other_policy.exit_code == 2 and "policies" in other_policy.stderr
 
 
@@ -156,16 +222,36 @@ def test_every_command_prints_json_and_logs_at_full_width(planted_model_dir, bas
     outputs = {
         "calibrate": ["calibrate", str(base_run), "--out", str(tmp_path / "cal"), "--json"],
         "probe": ["probe", "--model", str(planted_model_dir), "--rows", "2", "--out", str(tmp_path / "p"), "--json"],
-        "compare": ["compare", "--model", str(planted_model_dir), "--dataset", "gsm8k", "--limit", "2", "--batch-size",
-                    "2", "--max-new-tokens", "6", "--repeats", "1", "--threshold", "0.05",
-                    "--out", str(tmp_path / "cmp"), "--json"],
+        "compare": [
+            "compare",
+            "--model",
+            str(planted_model_dir),
+            "--dataset",
+            "gsm8k",
+            "--limit",
+            "2",
+            "--batch-size",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--repeats",
+            "1",
+            "--threshold",
+            "0.05",
+            "--out",
+            str(tmp_path / "cmp"),
+            "--json",
+        ],
         "report": ["report", str(base_run), "--out", str(tmp_path / "rep"), "--json"],
         "models": ["models", "--json"],
         "datasets": ["datasets", "--json"],
         "flips": flips_args(planted_model_dir, tmp_path / "f", "--json"),
     }
-    written = {"probe": tmp_path / "p" / "probe.json",
-               "compare": tmp_path / "cmp" / "summary.json", "flips": tmp_path / "f" / "summary.json"}
+    written = {
+        "probe": tmp_path / "p" / "probe.json",
+        "compare": tmp_path / "cmp" / "summary.json",
+        "flips": tmp_path / "f" / "summary.json",
+    }
     for name, args in outputs.items():
         result = runner.invoke(app, args)
         assert result.exit_code == 0, f"{name}: {result.output}"
@@ -174,8 +260,12 @@ def test_every_command_prints_json_and_logs_at_full_width(planted_model_dir, bas
             assert printed == json.loads(written[name].read_text()), name
     assert "smollm2-135m" in runner.invoke(app, ["models", "--json"]).stdout
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    piped = subprocess.run([sys.executable, "-m", "mgbench", "calibrate", str(base_run), "--out",
-                            str(tmp_path / "cal2")], capture_output=True, text=True, env=env)
+    piped = subprocess.run(
+        [sys.executable, "-m", "mgbench", "calibrate", str(base_run), "--out", str(tmp_path / "cal2")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert piped.returncode == 0, piped.stderr
     assert "…" not in piped.stdout and "trig@…" not in piped.stdout and "TAU min" in piped.stdout
 

@@ -3,7 +3,7 @@
 from typer.testing import CliRunner
 
 from mgbench.cli import app
-from mgbench.hardware import kernel_environment_problem, supported_capabilities
+from mgbench.runs.machine import kernel_environment_problem, supported_capabilities
 
 AVX2_CPU = {"sse4_2", "avx", "avx2", "fma"}
 AVX512_CPU = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_bf16"}
@@ -44,7 +44,7 @@ def test_pairs_that_cannot_run_are_refused_in_one_line():
 
 def test_cli_refuses_an_unknown_family_before_anything_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx9000")
-    monkeypatch.setattr("mgbench.hardware.cpu_flags", lambda: AVX2_CPU)
+    monkeypatch.setattr("mgbench.runs.machine.cpu_flags", lambda: AVX2_CPU)
     result = CliRunner().invoke(app, ["flips", "--limit", "1", "--out", str(tmp_path / "run")])
     assert result.exit_code == 2 and "ATEN_CPU_CAPABILITY=avx9000" in result.stderr
     assert not (tmp_path / "run").exists()

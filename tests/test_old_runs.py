@@ -9,8 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from mgbench import gate, results
+from mgbench.analysis import gate
 from mgbench.cli import app
+from mgbench.runs import rundir, schema
 
 V1_RUN = Path(__file__).parent / "fixtures" / "v1-flips-run"
 V1_AUDIT = ["flips", "--dataset", "math500", "--limit", "6", "--batch-size", "6", "--max-new-tokens", "8"]
@@ -18,12 +19,12 @@ runner = CliRunner()
 
 
 def test_the_fixture_is_schema_1():
-    assert pq.read_schema(V1_RUN / "steps.parquet").metadata[results.SCHEMA_KEY] == b"1"
+    assert pq.read_schema(V1_RUN / "steps.parquet").metadata[schema.SCHEMA_KEY] == b"1"
     assert json.loads((V1_RUN / "manifest.json").read_text())["schema_version"] == "1"
 
 
 def test_v1_steps_are_upgraded_on_read():
-    steps = results.read_steps(V1_RUN)
+    steps = rundir.read_steps(V1_RUN)
     assert len(steps) == 48 and (steps["method"] == "teacher-forced").all()
     assert steps["logprob_drift"].isna().all()
     assert steps.attrs["schema_version_read"] == "1"
@@ -73,8 +74,9 @@ def test_a_run_from_a_newer_release_is_refused_in_one_line(tmp_path):
     future = tmp_path / "future"
     shutil.copytree(V1_RUN, future)
     table = pq.read_table(future / "steps.parquet")
-    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, results.SCHEMA_KEY: b"3"}),
-                   future / "steps.parquet")
+    pq.write_table(
+        table.replace_schema_metadata({**table.schema.metadata, schema.SCHEMA_KEY: b"3"}), future / "steps.parquet"
+    )
     result = runner.invoke(app, ["calibrate", str(future), "--out", str(tmp_path / "cal")])
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "schema version 3, newer than this mgbench" in result.stderr and not (tmp_path / "cal").exists()

@@ -14,12 +14,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mgbench import oom, results, verify_run
-from mgbench.results import missing_shards
-from mgbench.cli import Placement, app
+from mgbench.assets.models import placement_kwargs
+from mgbench.cli import app
 from mgbench.errors import UserError
-from mgbench.models import placement_kwargs
-from mgbench.sharding import Shard, resolve_shard
+from mgbench.pipelines import verify
+from mgbench.runs import oom, rundir
+from mgbench.runs.placement import Placement
+from mgbench.runs.rundir import missing_shards
+from mgbench.runs.shards import Shard, resolve_shard
 
 runner = CliRunner()
 TABLES = ("steps", "sequences")
@@ -27,13 +29,45 @@ TABLES = ("steps", "sequences")
 
 def flips_args(model, out, *extra):
     # 6 requests at batch size 2: three groups, so a run can stop between them.
-    return ["flips", "--model", str(model), "--dataset", "gsm8k", "--limit", "6", "--batch-size", "2",
-            "--max-new-tokens", "16", "--out", str(out), *extra]
+    return [
+        "flips",
+        "--model",
+        str(model),
+        "--dataset",
+        "gsm8k",
+        "--limit",
+        "6",
+        "--batch-size",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def verify_args(model, out, *extra):
-    return ["verify", "--model", str(model), "--dataset", "gsm8k", "--limit", "4", "--batch-sizes", "1,2",
-            "--max-new-tokens", "8", "--policy", "none,margin", "--threshold", "0.5", "--out", str(out), *extra]
+    return [
+        "verify",
+        "--model",
+        str(model),
+        "--dataset",
+        "gsm8k",
+        "--limit",
+        "4",
+        "--batch-sizes",
+        "1,2",
+        "--max-new-tokens",
+        "8",
+        "--policy",
+        "none,margin",
+        "--threshold",
+        "0.5",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def invoke(args):
@@ -70,7 +104,7 @@ def test_identical_runs_write_identical_parquet(reference, tiny_model_dir, tmp_p
 
 CRASHING_MAIN = """
 import os, signal, sys
-from mgbench import parts
+from mgbench.runs import parts
 write_json = parts._write_json
 
 def crash_while_committing_group_1(document, path):
@@ -87,8 +121,12 @@ app(sys.argv[1:], prog_name="mgbench")
 
 def test_kill_9_then_resume_equals_an_uninterrupted_run(reference, tiny_model_dir, tmp_path, monkeypatch):
     out = tmp_path / "run"
-    killed = subprocess.run([sys.executable, "-c", CRASHING_MAIN, *flips_args(tiny_model_dir, out)],
-                            capture_output=True, text=True, timeout=600)
+    killed = subprocess.run(
+        [sys.executable, "-c", CRASHING_MAIN, *flips_args(tiny_model_dir, out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not out.exists()  # nothing published
     staging = tmp_path / ".run.partial"
@@ -99,7 +137,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(reference, tiny_model_di
     other = runner.invoke(app, flips_args(tiny_model_dir, out, "--max-new-tokens", "9", "--resume"))
     assert other.exit_code == 2 and "other options" in other.stderr and "max_new_tokens 16 -> 9" in other.stderr
 
-    from mgbench import audit
+    from mgbench.engines.inprocess import audit
 
     solo_runs = []
     run_solo = audit.run_solo
@@ -114,16 +152,23 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(reference, tiny_model_di
 
 def test_two_torchrun_ranks_merge_into_the_one_process_run(reference, tiny_model_dir, tmp_path):
     out = tmp_path / "sharded"
-    ranks = [subprocess.Popen([sys.executable, "-m", "mgbench", *flips_args(tiny_model_dir, out)],
-                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "mgbench", *flips_args(tiny_model_dir, out)],
+            env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outputs = [rank.communicate(timeout=600) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], [e[-2000:] for _, e in outputs]
     assert any("all shards are in" in stdout for stdout, _ in outputs)
     assert sorted(p.name for p in (out / "steps").iterdir()) == ["part-0-of-2.parquet", "part-1-of-2.parquet"]
     for name in TABLES:
         expected = pq.read_table(reference / f"{name}.parquet")
-        assert results.read_run_table(out, name, expected.schema).equals(expected)
+        assert rundir.read_run_table(out, name, expected.schema).equals(expected)
         # The parts are one pyarrow dataset, readable by pandas and DuckDB without glue.
         assert ds.dataset(out / name).count_rows() == expected.num_rows
         assert len(pd.read_parquet(out / name)) == expected.num_rows
@@ -143,7 +188,10 @@ def test_incomplete_sharded_run_is_refused_by_readers(tiny_model_dir, tmp_path):
     out = tmp_path / "half"
     invoke(flips_args(tiny_model_dir, out, "--shard", "2/3"))
     assert not (out / "manifest.json").exists()
-    for args in (["calibrate", str(out), "--out", str(tmp_path / "c")], ["report", str(out), "--out", str(tmp_path / "r")]):
+    for args in (
+        ["calibrate", str(out), "--out", str(tmp_path / "c")],
+        ["report", str(out), "--out", str(tmp_path / "r")],
+    ):
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and "unfinished shards: 0/3, 1/3" in result.stderr, result.output
     again = runner.invoke(app, flips_args(tiny_model_dir, out, "--shard", "2/3"))
@@ -156,24 +204,26 @@ def test_verify_shards_merge_into_the_one_process_run(tiny_model_dir, tmp_path):
     invoke(verify_args(tiny_model_dir, tmp_path / "one"))
     for shard in ("1/2", "0/2"):
         invoke(verify_args(tiny_model_dir, tmp_path / "sharded", "--shard", shard))
-    for name, schema in verify_run.SCHEMAS.items():
+    for name, schema in verify.SCHEMAS.items():
         expected = pq.read_table(tmp_path / "one" / f"{name}.parquet")
-        assert results.read_run_table(tmp_path / "sharded", name, schema).equals(expected)
+        assert rundir.read_run_table(tmp_path / "sharded", name, schema).equals(expected)
     one, merged = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("one", "sharded"))
     assert one["policies"] == merged["policies"] and one["passed"] == merged["passed"]
 
 
 def out_of_memory_above(limit, run):
     """Wrap `run(model, prompts, ...)` to fail like the CUDA allocator on batches above `limit`."""
+
     def wrapped(model, prompts, *args, **kwargs):
         if len(prompts) > limit:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return run(model, prompts, *args, **kwargs)
+
     return wrapped
 
 
 def test_out_of_memory_retries_smaller_batches_and_says_so(planted_model_dir, tmp_path, monkeypatch):
-    from mgbench import audit
+    from mgbench.engines.inprocess import audit
 
     planted = invoke(flips_args(planted_model_dir, tmp_path / "planted"))
     assert json.loads((tmp_path / "planted" / "summary.json").read_text())["flips"] > 0, planted.output
@@ -191,7 +241,7 @@ def test_out_of_memory_retries_smaller_batches_and_says_so(planted_model_dir, tm
 
 
 def test_out_of_memory_at_batch_size_1_is_a_clear_error(tiny_model_dir, tmp_path, monkeypatch):
-    from mgbench import audit
+    from mgbench.engines.inprocess import audit
 
     monkeypatch.setattr(audit, "run_teacher_forced", out_of_memory_above(0, audit.run_teacher_forced))
     result = runner.invoke(app, flips_args(tiny_model_dir, tmp_path / "run"))
@@ -200,15 +250,32 @@ def test_out_of_memory_at_batch_size_1_is_a_clear_error(tiny_model_dir, tmp_path
 
 
 def test_verify_and_compare_retry_after_out_of_memory(tiny_model_dir, tmp_path, monkeypatch):
-    from mgbench import compare_run
+    from mgbench.pipelines import compare
 
-    monkeypatch.setattr(verify_run, "run_free", out_of_memory_above(1, verify_run.run_free))
+    monkeypatch.setattr(verify, "run_free", out_of_memory_above(1, verify.run_free))
     result = invoke(verify_args(tiny_model_dir, tmp_path / "v"))
     assert "out of memory at batch size 2" in result.stderr
     assert set(pd.read_parquet(tmp_path / "v" / "sequences.parquet")["batch_size"]) == {1}
-    monkeypatch.setattr(compare_run, "run_free", out_of_memory_above(1, compare_run.run_free))
-    result = invoke(["compare", "--model", str(tiny_model_dir), "--limit", "2", "--batch-size", "2",
-                     "--max-new-tokens", "4", "--threshold", "0.5", "--repeats", "1", "--out", str(tmp_path / "c")])
+    monkeypatch.setattr(compare, "run_free", out_of_memory_above(1, compare.run_free))
+    result = invoke(
+        [
+            "compare",
+            "--model",
+            str(tiny_model_dir),
+            "--limit",
+            "2",
+            "--batch-size",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--threshold",
+            "0.5",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path / "c"),
+        ]
+    )
     assert "out of memory at batch size 2" in result.stderr
     summary = json.loads((tmp_path / "c" / "summary.json").read_text())
     assert summary["batch_size"] == 1 and summary["requested_batch_size"] == 2
@@ -216,7 +283,9 @@ def test_verify_and_compare_retry_after_out_of_memory(tiny_model_dir, tmp_path, 
 
 def test_out_of_memory_is_recognised_only_for_memory_errors():
     assert oom.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
-    assert oom.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+    assert oom.is_out_of_memory(
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")
+    )
     assert not oom.is_out_of_memory(RuntimeError("shape mismatch"))
     with pytest.raises(ValueError):
         oom.run_splitting_on_oom([1, 2], lambda m: (_ for _ in ()).throw(ValueError("bug")), lambda b, h: None)
@@ -250,9 +319,22 @@ def test_torchrun_environment_sets_the_shard_except_under_tensor_parallelism(mon
 def test_tensor_parallel_under_torchrun_writes_one_run(tiny_model_dir, tmp_path):
     """The documented command, on CPU (gloo): both ranks hold half of each layer, rank 0 publishes."""
     out = tmp_path / "tp"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mgbench",
-                           *flips_args(tiny_model_dir, out, "--limit", "2", "--tp-plan", "auto", "--device", "cpu")],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "mgbench",
+            *flips_args(tiny_model_dir, out, "--limit", "2", "--tp-plan", "auto", "--device", "cpu"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tp"]  # rank 1 wrote nothing
     manifest = json.loads((out / "manifest.json").read_text())
@@ -262,8 +344,26 @@ def test_tensor_parallel_under_torchrun_writes_one_run(tiny_model_dir, tmp_path)
 
 def test_needle_mode_places_each_request_among_fillers(planted_model_dir, tmp_path):
     out = tmp_path / "needle"
-    invoke(["verify", "--model", str(planted_model_dir), "--dataset", "gsm8k", "--limit", "3", "--batch-sizes", "4",
-            "--max-new-tokens", "6", "--policy", "always", "--needle", "--out", str(out)])
+    invoke(
+        [
+            "verify",
+            "--model",
+            str(planted_model_dir),
+            "--dataset",
+            "gsm8k",
+            "--limit",
+            "3",
+            "--batch-sizes",
+            "4",
+            "--max-new-tokens",
+            "6",
+            "--policy",
+            "always",
+            "--needle",
+            "--out",
+            str(out),
+        ]
+    )
     sequences = pd.read_parquet(out / "sequences.parquet")
     # One verified row per batch of 4 (the rest are fillers), at a seeded row; exact repair holds.
     assert len(sequences) == 3 and set(sequences["batch_size"]) == {4} and sequences["batch_id"].is_unique
@@ -273,7 +373,8 @@ def test_needle_mode_places_each_request_among_fillers(planted_model_dir, tmp_pa
 
 
 def test_a_crash_before_the_sharded_summary_is_finished_by_resume(tiny_model_dir, tmp_path, monkeypatch):
-    from mgbench import audit, parts
+    from mgbench.engines.inprocess import audit
+    from mgbench.runs import parts
 
     out = tmp_path / "run"
     invoke(flips_args(tiny_model_dir, out, "--limit", "4", "--shard", "0/2"))

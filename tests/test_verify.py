@@ -5,14 +5,15 @@ import json
 
 import pytest
 import torch
+from helpers import plant_near_ties, plant_nudged_head, random_prompts, tiny_llama
 from typer.testing import CliRunner
 
-from helpers import plant_near_ties, plant_nudged_head, random_prompts, tiny_llama
-from mgbench.engine import cache as cache_ops
-from mgbench.engine.decode import decode_step
-from mgbench.engine.policies import PolicySpec, StepContext
-from mgbench.engine.runners import prefill_for_batch, run_free, run_solo, run_teacher_forced
-from mgbench.engine.verify import ColumnVerifier, ExactVerifier
+from mgbench.engines.inprocess import cache as cache_ops
+from mgbench.engines.inprocess.decode import decode_step
+from mgbench.engines.inprocess.policies import PolicySpec
+from mgbench.engines.inprocess.runners import prefill_for_batch, run_free, run_solo, run_teacher_forced
+from mgbench.engines.inprocess.step import StepContext
+from mgbench.engines.inprocess.verifiers import ColumnVerifier, ExactVerifier
 
 PAD_ID = 0
 STEPS = 32
@@ -49,8 +50,11 @@ def test_negative_control_plain_batched_decoding_diverges(flipping_batch, prefil
 
 
 @pytest.mark.parametrize("prefill", ["alone", "batched"])
-@pytest.mark.parametrize("spec", [PolicySpec("always", "exact"), PolicySpec("oracle", "exact"),
-                                  PolicySpec("margin", "exact", tau=0.05)], ids=lambda s: s.label)
+@pytest.mark.parametrize(
+    "spec",
+    [PolicySpec("always", "exact"), PolicySpec("oracle", "exact"), PolicySpec("margin", "exact", tau=0.05)],
+    ids=lambda s: s.label,
+)
 def test_exact_repair_reaches_full_determinism(flipping_batch, spec, prefill):
     free, identical = decode(flipping_batch, spec, prefill)
     assert identical == len(LENGTHS)
@@ -91,8 +95,13 @@ def test_column_repair_writes_the_reference_column_bitwise(flipping_batch):
         for row in range(len(prompts)):
             history = cache_ops.row_slice(cache, row, pads[row])
             reference = cache_ops.cache_from_layers([(k[:, :, :-1], v[:, :, :-1]) for k, v in history], model.config)
-            ref_logits, _ = decode_step(model, reference, fed[row : row + 1], positions[row : row + 1],
-                                        torch.ones((1, history[0][0].shape[-2] - 1), dtype=torch.long))
+            ref_logits, _ = decode_step(
+                model,
+                reference,
+                fed[row : row + 1],
+                positions[row : row + 1],
+                torch.ones((1, history[0][0].shape[-2] - 1), dtype=torch.long),
+            )
             before = cache_ops.read_column(cache, row, cache_ops.cache_layers(cache)[0][0].shape[-2] - 1)
             token, fixed = verifier.verify(ctx, row)
             assert token == int(ref_logits[0].argmax())
@@ -124,25 +133,70 @@ def test_exact_repair_makes_the_row_history_solo_bitwise(flipping_batch):
 
 # --- the CLI on a tiny local model folder (fast), for exit codes, JUnit and JSON ---
 
+
 def verify_cli(folder, out, *args):
     from mgbench.cli import app
 
-    return CliRunner().invoke(app, ["verify", "--model", str(folder), "--dataset", "gsm8k", "--limit", "6",
-                                    "--batch-sizes", "3,6", "--max-new-tokens", "24", "--out", str(out), *args])
+    return CliRunner().invoke(
+        app,
+        [
+            "verify",
+            "--model",
+            str(folder),
+            "--dataset",
+            "gsm8k",
+            "--limit",
+            "6",
+            "--batch-sizes",
+            "3,6",
+            "--max-new-tokens",
+            "24",
+            "--out",
+            str(out),
+            *args,
+        ],
+    )
 
 
 def test_cli_exit_codes_and_junit(planted_model_dir, tmp_path):
     tiny_model_dir = planted_model_dir  # every multi-row step flips: the gate must catch it anywhere
-    failing = verify_cli(tiny_model_dir, tmp_path / "none", "--policy", "none", "--require-determinism", "1.0",
-                         "--junit", str(tmp_path / "none.xml"))
+    failing = verify_cli(
+        tiny_model_dir,
+        tmp_path / "none",
+        "--policy",
+        "none",
+        "--require-determinism",
+        "1.0",
+        "--junit",
+        str(tmp_path / "none.xml"),
+    )
     assert failing.exit_code == 1, failing.output
     assert 'failures="0"' not in (tmp_path / "none.xml").read_text()
-    invariant = verify_cli(tiny_model_dir, tmp_path / "inv", "--policy", "none", "--batch-invariant",
-                           "--require-determinism", "1.0", "--json")
+    invariant = verify_cli(
+        tiny_model_dir,
+        tmp_path / "inv",
+        "--policy",
+        "none",
+        "--batch-invariant",
+        "--require-determinism",
+        "1.0",
+        "--json",
+    )
     assert invariant.exit_code == 0, invariant.output
     assert json.loads(invariant.stdout)["policies"][0]["determinism"] == 1.0
-    passing = verify_cli(tiny_model_dir, tmp_path / "exact", "--policy", "always", "--repair", "exact",
-                         "--require-determinism", "1.0", "--junit", str(tmp_path / "exact.xml"), "--json")
+    passing = verify_cli(
+        tiny_model_dir,
+        tmp_path / "exact",
+        "--policy",
+        "always",
+        "--repair",
+        "exact",
+        "--require-determinism",
+        "1.0",
+        "--junit",
+        str(tmp_path / "exact.xml"),
+        "--json",
+    )
     assert passing.exit_code == 0, passing.output
     junit = (tmp_path / "exact.xml").read_text()
     assert 'tests="2"' in junit and 'failures="0"' in junit
@@ -157,7 +211,9 @@ def test_cli_exit_codes_and_junit(planted_model_dir, tmp_path):
 
 def test_cli_refuses_calibration_of_another_model(tiny_model_dir, tmp_path):
     calibration = tmp_path / "calibration.json"
-    calibration.write_text(json.dumps({"kind": "mgbench.calibration", "model": "llama-3.1-8b", "tau": 0.5, "unit": "logit"}))
+    calibration.write_text(
+        json.dumps({"kind": "mgbench.calibration", "model": "llama-3.1-8b", "tau": 0.5, "unit": "logit"})
+    )
     result = verify_cli(tiny_model_dir, tmp_path / "o", "--threshold-from", str(calibration))
     assert result.exit_code == 2 and "calibrated for model 'llama-3.1-8b'" in result.stderr
     result = verify_cli(tiny_model_dir, tmp_path / "o", "--policy", "margin")

@@ -17,9 +17,9 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from mgbench import data
+from mgbench.assets import datasets
 from mgbench.cli import app
-from mgbench.endpoint.local_server import VLLM_VENV, LocalServer
+from mgbench.engines.endpoint.local_server import VLLM_VENV, LocalServer
 
 runner = CliRunner()
 AUDIT = ["flips", "--dataset", "gsm8k", "--limit", "4", "--batch-size", "2", "--max-new-tokens", "16"]
@@ -54,8 +54,17 @@ def served_model(url: str) -> str:
 
 def bare_completion(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[list[int], list[dict]]:
     """One greedy completion with plain urllib: (token ids, top logprobs keyed by id)."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "logprobs": TOP, "return_token_ids": True, "return_tokens_as_token_ids": True}).encode()
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": TOP,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+    ).encode()
     request = urllib.request.Request(url + "/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=600) as response:
         choice = json.load(response)["choices"][0]
@@ -65,9 +74,9 @@ def bare_completion(url: str, model: str, prompt: list[int], max_tokens: int) ->
 
 @pytest.fixture(scope="session")
 def prompts(default_lm):
-    config = data.load_config("gsm8k")
-    selected = data.select_requests(config, data.read_records(config), 4, 0)
-    return [data.encode(default_lm.tokenizer, config, r.text) for r in selected]
+    config = datasets.load_config("gsm8k")
+    selected = datasets.select_requests(config, datasets.read_records(config), 4, 0)
+    return [datasets.encode(default_lm.tokenizer, config, r.text) for r in selected]
 
 
 @pytest.fixture(scope="session")
@@ -95,8 +104,8 @@ def test_positive_control_drift_reported_as_measured_by_a_bare_client(vllm, prom
     measured_drift = 0.0
     for start in (0, 2):
         with ThreadPoolExecutor(2) as pool:
-            pairs = list(pool.map(lambda p: bare_completion(vllm.url, model, p, 16), prompts[start:start + 2]))
-        for (solo_ids, solo_top), (ids, top) in zip(solos[start:start + 2], pairs):
+            pairs = list(pool.map(lambda p: bare_completion(vllm.url, model, p, 16), prompts[start : start + 2]))
+        for (solo_ids, solo_top), (ids, top) in zip(solos[start : start + 2], pairs):
             agree = next((i for i, (a, b) in enumerate(zip(solo_ids, ids)) if a != b), min(len(solo_ids), len(ids)))
             for a, b in zip(solo_top[:agree], top[:agree]):
                 measured_drift = max([measured_drift] + [abs(a[t] - b[t]) for t in a.keys() & b.keys()])
@@ -106,7 +115,9 @@ def test_positive_control_drift_reported_as_measured_by_a_bare_client(vllm, prom
     # mgbench's figure asserted against its own recorded steps (same batches).
     print(f"\n[this machine] vLLM max logprob drift: mgbench {reported}, bare client {measured_drift}")
     steps = pd.read_parquet(audited[0] / "steps.parquet")
-    assert reported == pytest.approx(float(steps["logprob_drift"].max(skipna=True) if steps["logprob_drift"].notna().any() else 0.0))
+    assert reported == pytest.approx(
+        float(steps["logprob_drift"].max(skipna=True) if steps["logprob_drift"].notna().any() else 0.0)
+    )
     sequences = pd.read_parquet(audited[0] / "sequences.parquet")
     assert sequences["solo_ids"].map(list).tolist() == [ids for ids, _ in solos]  # same server, same answers
 
@@ -177,8 +188,10 @@ def test_vllm_batch_invariant_server_is_audited_as_a_bare_request_finds_it(vllm_
         status = None
     except urllib.error.HTTPError as exc:
         status = exc.code
-    print(f"\n[this machine] VLLM_BATCH_INVARIANT=1 server answers a bare request: "
-          f"{'yes' if status is None else f'HTTP {status}'}")
+    print(
+        f"\n[this machine] VLLM_BATCH_INVARIANT=1 server answers a bare request: "
+        f"{'yes' if status is None else f'HTTP {status}'}"
+    )
     out = tmp_path / "run"
     result = runner.invoke(app, [*AUDIT, "--endpoint", invariant.url, "--out", str(out)])
     if status is None:
@@ -205,8 +218,10 @@ def test_zz_server_killed_mid_run_then_resume_equals_uninterrupted(vllm, audited
     assert "--resume" in stderr and "Traceback" not in stderr
     parts = tmp_path / ".run.partial" / "parts"
     committed_groups = sorted(p.stem.split("-")[1] for p in parts.glob("group-*.json"))
-    committed = {table: pd.concat([pd.read_parquet(parts / f"{table}-{g}.parquet") for g in committed_groups])
-                 for table in ("steps", "sequences")}
+    committed = {
+        table: pd.concat([pd.read_parquet(parts / f"{table}-{g}.parquet") for g in committed_groups])
+        for table in ("steps", "sequences")
+    }
     vllm.start().wait_ready()  # same command, same port
     resumed = runner.invoke(app, [*AUDIT, "--endpoint", vllm.url, "--out", str(out), "--resume"])
     assert resumed.exit_code == 0, resumed.output
@@ -226,8 +241,10 @@ def test_zz_server_killed_mid_run_then_resume_equals_uninterrupted(vllm, audited
     # equal to the uninterrupted run only where this server was measured batch-invariant.
     summary = audited[1]
     invariant_here = summary["flips"] == 0 and not summary["max_logprob_drift"]
-    print(f"\n[this machine] vLLM batch-invariant on this audit: {invariant_here} "
-          f"(flips {summary['flips']}, max drift {summary['max_logprob_drift']})")
+    print(
+        f"\n[this machine] vLLM batch-invariant on this audit: {invariant_here} "
+        f"(flips {summary['flips']}, max drift {summary['max_logprob_drift']})"
+    )
     if invariant_here:
         for table in ("steps", "sequences"):
             pd.testing.assert_frame_equal(final[table], reference[table])

@@ -1,0 +1,1 @@
+"""Models and datasets: the alias registry and offline loading, dataset configs, needle fillers."""

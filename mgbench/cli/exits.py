@@ -1,0 +1,28 @@
+"""The one place that turns errors into a line on stderr and an exit code."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import typer
+
+from mgbench.errors import UserError
+from mgbench.render.console import err_console
+
+
+@contextmanager
+def user_errors(debug: bool):
+    """Bad input -> one line on stderr and exit code 2 (the traceback only with --debug)."""
+    try:
+        yield
+    except UserError as exc:
+        if debug:
+            err_console.print_exception()
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        err_console.print(
+            "[bold red]interrupted:[/] nothing was published (flips and verify keep their finished "
+            "groups: the same command with --resume continues)"
+        )
+        raise typer.Exit(130) from None

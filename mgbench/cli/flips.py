@@ -1,0 +1,230 @@
+"""`mgbench flips`: declare the options, build the validated run options, call the pipeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from mgbench.analysis.gate import GateSpec, Thresholds
+from mgbench.cli.exits import user_errors
+from mgbench.cli.options import (
+    AlphaOpt,
+    AttnOpt,
+    BaselineOpt,
+    BatchInvariantOpt,
+    BatchSizeOpt,
+    BatchSizesOpt,
+    DatasetOpt,
+    DebugOpt,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    LimitOpt,
+    MaxNewOpt,
+    ModelOpt,
+    OutOpt,
+    PrefillOpt,
+    ResumeOpt,
+    SeedOpt,
+    ShardOpt,
+    SortOpt,
+    TpPlanOpt,
+    default_out,
+)
+from mgbench.engines.endpoint.client import EndpointOptions
+from mgbench.errors import UserError
+from mgbench.runs.options import RunOptions, parse_batch_sizes
+from mgbench.runs.placement import Placement, rank_device
+
+
+def flips(
+    model: str = ModelOpt,
+    dataset: str = DatasetOpt,
+    limit: Optional[int] = LimitOpt,
+    seed: int = SeedOpt,
+    batch_size: int = BatchSizeOpt,
+    batch_sizes: Optional[str] = BatchSizesOpt,
+    max_new_tokens: Optional[int] = MaxNewOpt,
+    prefill: str = PrefillOpt,
+    sort_by_length: bool = SortOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    attn: str = AttnOpt,
+    out: Optional[Path] = OutOpt,
+    shard: Optional[str] = ShardOpt,
+    resume: bool = ResumeOpt,
+    tp_plan: Optional[str] = TpPlanOpt,
+    batch_invariant: bool = BatchInvariantOpt,
+    require_determinism: Optional[float] = typer.Option(
+        None, "--require-determinism", help="Exit 1 when the share of sequences equal to solo is below this (e.g. 1.0)."
+    ),
+    max_flip_rate: Optional[float] = typer.Option(
+        None, "--max-flip-rate", help="Exit 1 when flips / teacher-forced steps is above this (e.g. 0.01)."
+    ),
+    junit: Optional[Path] = typer.Option(
+        None, "--junit", help="Write JUnit XML: one case per dataset and batch size, and the baseline test."
+    ),
+    baseline: Optional[Path] = BaselineOpt,
+    alpha: float = AlphaOpt,
+    endpoint: Optional[str] = typer.Option(
+        None,
+        "--endpoint",
+        help=(
+            "Audit an OpenAI-compatible server at this base URL (e.g. http://127.0.0.1:8000/v1) instead of "
+            "the in-process engine; --model then names the tokenizer."
+        ),
+    ),
+    served_model: Optional[str] = typer.Option(
+        None, "--served-model", help="--endpoint: the model name the server knows (default: the one /v1/models lists)."
+    ),
+    top_logprobs: Optional[int] = typer.Option(
+        None, "--top-logprobs", help="--endpoint: top-k logprobs asked per token (margins, drift); default 5."
+    ),
+    request_timeout: Optional[float] = typer.Option(
+        None, "--request-timeout", help="--endpoint: seconds to wait for one completion; default 300."
+    ),
+    needle: bool = typer.Option(
+        False, "--needle", help="--endpoint: send each audited request among B-1 filler requests."
+    ),
+    label: Optional[str] = typer.Option(
+        None,
+        "--label",
+        help="The engine's name in reports (e.g. 'vLLM eager'); default: the server and its version, or in-process.",
+    ),
+    json_out: bool = JsonOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Audit flips: decode each request alone and inside batches, compare token by token.
+
+    Teacher-forced batched decoding (fed the solo tokens) counts **flips** (batched argmax !=
+    solo argmax) with their top-1/top-2 margins and K/V perturbation; free-running batched
+    decoding measures sequence-level determinism. With --endpoint, a served model is audited as
+    a black box: solo, concurrent batches, solo again; steps up to the first divergence, margins
+    and drift from top-k logprobs. Writes steps.parquet, sequences.parquet,
+    summary.json and manifest.json. Exit codes: 0 ok, 1 a --require-determinism,
+    --max-flip-rate or --baseline check failed, 2 bad input.
+
+    Examples:
+
+        mgbench flips --limit 8 --max-new-tokens 32
+
+        mgbench flips --dataset gsm8k --limit 16 --batch-sizes 1,4,16
+
+        mgbench flips --model llama-3.1-8b --batch-size 64 --device cuda
+
+        # continue after a crash
+
+        mgbench flips --limit 64 --out runs/m --resume
+
+        # expect 0 flips
+
+        mgbench flips --batch-invariant --limit 16 --max-new-tokens 32
+
+        # record a baseline, then gate later runs on it
+
+        mgbench flips --limit 16 --out runs/base
+
+        mgbench flips --limit 16 --baseline runs/base --junit flips.xml
+
+        torchrun --nproc-per-node 8 -m mgbench flips --model llama-3.1-8b \\
+            --limit 512 --out runs/m8
+
+        # a served model (vLLM, SGLang, TGI): same prompts, as token ids
+
+        mgbench flips --endpoint http://127.0.0.1:8000/v1 --limit 32 \\
+            --batch-size 8 --max-new-tokens 64 --label "vLLM eager"
+    """
+    with user_errors(debug):
+        sizes = parse_batch_sizes(batch_sizes) if batch_sizes else (batch_size,)
+        endpoint_options = endpoint_flips_options(
+            endpoint,
+            served_model,
+            top_logprobs,
+            request_timeout,
+            needle,
+            label,
+            {
+                "--prefill": prefill != "alone" and f"--prefill {prefill}",
+                "--dtype": dtype != "bf16" and f"--dtype {dtype}",
+                "--device": device != "auto" and f"--device {device}",
+                "--attn": attn != "sdpa" and f"--attn {attn}",
+                "--tp-plan": tp_plan is not None and "--tp-plan",
+                "--batch-invariant": batch_invariant and "--batch-invariant",
+                "--shard": shard is not None and "--shard",
+            },
+        )
+        options = RunOptions(
+            model=model,
+            dataset=dataset,
+            limit=limit,
+            seed=seed,
+            batch_sizes=sizes,
+            max_new_tokens=max_new_tokens,
+            prefill=prefill,
+            sort_by_length=sort_by_length,
+            dtype=dtype,
+            device=rank_device(device),
+            attn=attn,
+            tp_plan=tp_plan,
+            batch_invariant=batch_invariant,
+        )
+        spec = GateSpec(Thresholds(require_determinism, max_flip_rate), baseline, alpha)
+        placement = Placement.resolve(shard, resume, tp_plan, out)
+        from mgbench.pipelines.flips import run_flips  # loads torch: after every input check
+
+        passed = run_flips(
+            options,
+            placement,
+            out or default_out("flips", model, dataset),
+            spec,
+            junit,
+            json_out,
+            endpoint_options,
+            label,
+        )
+    raise typer.Exit(0 if passed else 1)
+
+
+# Why each in-process option cannot apply to a black box.
+BLACK_BOX_REASONS = {
+    "--prefill": "the server schedules its own prefill",
+    "--dtype": "the server decodes in the dtype it was started with",
+    "--device": "the server decodes on its own device",
+    "--attn": "the server picks its own attention kernels",
+    "--tp-plan": "the server shards the model itself",
+    "--batch-invariant": "it patches the in-process model (a server has its own switch, e.g. VLLM_BATCH_INVARIANT=1)",
+    "--shard": "one client audits a server; several would change the concurrency it sees",
+}
+
+
+def endpoint_flips_options(endpoint, served_model, top_logprobs, request_timeout, needle, label, in_process: dict):
+    """EndpointOptions for --endpoint (None without it); the in-process options given
+    (`in_process`: option -> the text given, or False) refused with the reason."""
+    if endpoint is None:
+        given = [
+            name
+            for name, value in (
+                ("--served-model", served_model),
+                ("--top-logprobs", top_logprobs),
+                ("--request-timeout", request_timeout),
+                ("--needle", needle or None),
+            )
+            if value is not None
+        ]
+        if given:
+            extra = " (in-process needle batches: `mgbench verify --needle`)" if "--needle" in given else ""
+            raise UserError(f"{', '.join(given)} only apply with --endpoint URL{extra}")
+        return None
+    for option, given in in_process.items():
+        if given:
+            raise UserError(f"{given} cannot apply to --endpoint: {BLACK_BOX_REASONS[option]}")
+    given = {"top_logprobs": top_logprobs, "request_timeout": request_timeout}  # None: EndpointOptions' default
+    return EndpointOptions(
+        endpoint,
+        served_model,
+        needle=needle,
+        label=label,
+        **{name: value for name, value in given.items() if value is not None},
+    )

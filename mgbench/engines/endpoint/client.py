@@ -1,0 +1,321 @@
+"""An async client for an OpenAI-compatible completions server (vLLM, SGLang, TGI, llama.cpp).
+
+One httpx connection pool for the whole audit, sized to the largest batch, so concurrent
+requests are never queued on the client side. Every way a server can fail (nothing listening,
+not OpenAI-compatible, unknown model, no logprobs, HTTP errors, a dropped connection, a
+timeout) becomes one EndpointError line that names the server and what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+from urllib.parse import urlsplit
+
+import httpx
+
+from mgbench.analysis.divergence import Decoded
+from mgbench.errors import UserError
+
+TOKEN_ID_PREFIX = "token_id:"  # vLLM's key for top logprobs with return_tokens_as_token_ids
+
+
+class EndpointError(UserError):
+    """The server could not be audited: one line, exit code 2, committed groups kept for --resume."""
+
+
+@dataclass(frozen=True)
+class EndpointOptions:
+    """What the endpoint audit needs beyond RunOptions; validated once at the edge."""
+
+    url: str  # the server's base, e.g. http://127.0.0.1:8000/v1
+    served_model: str | None = None  # None: the one model /v1/models lists
+    top_logprobs: int = 5
+    request_timeout: float = 300.0  # seconds per completion
+    needle: bool = False
+    label: str | None = None  # the engine's name in reports (default: server, version, model)
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise UserError(f"--endpoint {self.url!r}: give the server's base URL, e.g. http://127.0.0.1:8000/v1")
+        if self.top_logprobs < 2:
+            raise UserError(f"--top-logprobs {self.top_logprobs}: the margin needs the top 2 at least")
+        if not self.request_timeout > 0:
+            raise UserError(f"--request-timeout {self.request_timeout}: use a positive number of seconds")
+
+    @property
+    def base(self) -> str:
+        return self.url.rstrip("/")
+
+    def fingerprint(self) -> dict:
+        """What a --resume must keep (a longer timeout after a timeout is fine)."""
+        return {
+            "url": self.base,
+            "served_model": self.served_model,
+            "top_logprobs": self.top_logprobs,
+            "needle": self.needle,
+        }
+
+
+@dataclass
+class ServerInfo:
+    """What the server says about itself, for the manifest."""
+
+    url: str
+    served_model: str
+    model_entry: dict
+    version: str | None = None
+    system_fingerprint: str | None = None
+    prompt_format: str = "token-ids"  # or "text", for a server that refuses token-id prompts
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "url": self.url,
+            "served_model": self.served_model,
+            "models_entry": self.model_entry,
+            "server_version": self.version,
+            "system_fingerprint": self.system_fingerprint,
+            "prompt_format": self.prompt_format,
+            "notes": self.notes,
+        }
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def server_message(response: httpx.Response) -> str:
+    """The server's own error message (OpenAI error JSON, FastAPI detail, or the body's first line)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return _first_line(response.text) or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return _first_line(str(error["message"]))
+        if isinstance(error, str):
+            return _first_line(error)
+        if body.get("detail"):
+            return _first_line(str(body["detail"]))
+        if body.get("message"):
+            return _first_line(str(body["message"]))
+    return _first_line(response.text)
+
+
+class EndpointClient:
+    """Completions against one served model; use inside one event loop (`async with`)."""
+
+    def __init__(self, options: EndpointOptions, concurrency: int):
+        self.options = options
+        limits = httpx.Limits(max_connections=max(concurrency, 1), max_keepalive_connections=max(concurrency, 1))
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(options.request_timeout, connect=10.0), limits=limits, trust_env=False
+        )
+        self.info: ServerInfo | None = None
+
+    async def __aenter__(self) -> "EndpointClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.http.aclose()
+
+    # -- transport ---------------------------------------------------------------------------------
+
+    async def _request(self, method: str, path: str, what: str, **kwargs) -> httpx.Response:
+        url = self.options.base + path
+        try:
+            return await self.http.request(method, url, **kwargs)
+        except httpx.ConnectError as exc:
+            raise EndpointError(
+                f"nothing is listening at {self.options.base} ({_reason(exc)}): start the server "
+                "or fix --endpoint" + self._resume_hint()
+            ) from None
+        except httpx.TimeoutException:
+            raise EndpointError(
+                f"{what}: no answer from {self.options.base} within --request-timeout "
+                f"{self.options.request_timeout:g} s; raise it (a busy CPU server is slow)" + self._resume_hint()
+            ) from None
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            raise EndpointError(
+                f"{what}: the server at {self.options.base} dropped the connection mid-run "
+                f"({_reason(exc)}); was it stopped?" + self._resume_hint()
+            ) from None
+        except httpx.HTTPError as exc:
+            raise EndpointError(
+                f"{what}: {type(exc).__name__} talking to {self.options.base} ({_reason(exc)})" + self._resume_hint()
+            ) from None
+
+    def _resume_hint(self) -> str:
+        # Once the audit began, finished groups are committed: say how to finish the run.
+        return " (finished groups are kept: restart the server, then rerun with --resume)" if self.info else ""
+
+    # -- discovery ---------------------------------------------------------------------------------
+
+    async def discover(self) -> ServerInfo:
+        """The served model from /v1/models, the server's version where it reports one."""
+        response = await self._request("GET", "/models", "GET /models")
+        entries = None
+        if response.status_code == 200:
+            try:
+                body = response.json()
+                entries = body.get("data") if isinstance(body, dict) else None
+            except ValueError:
+                entries = None
+        if not isinstance(entries, list) or not all(isinstance(e, dict) and "id" in e for e in entries):
+            raise EndpointError(
+                f"{self.options.base} answered GET /models with HTTP {response.status_code} "
+                f"({server_message(response)[:120]}), not an OpenAI model list: is --endpoint an "
+                "OpenAI-compatible server's base URL (ending in /v1)?"
+            )
+        ids = [str(e["id"]) for e in entries]
+        wanted = self.options.served_model
+        if wanted is None:
+            if len(ids) != 1:
+                listed = ", ".join(ids) if ids else "none"
+                raise EndpointError(
+                    f"{self.options.base} serves {len(ids)} models ({listed}): choose one with --served-model NAME"
+                )
+            wanted = ids[0]
+        if wanted not in ids:
+            raise EndpointError(
+                f"{self.options.base} does not serve {wanted!r} (it serves {', '.join(ids)}): fix --served-model"
+            )
+        info = ServerInfo(self.options.base, wanted, entries[ids.index(wanted)])
+        info.version = await self._version()
+        return info
+
+    async def _version(self) -> str | None:
+        """vLLM and SGLang answer GET /version beside /v1; others need not."""
+        parts = urlsplit(self.options.base)
+        root = f"{parts.scheme}://{parts.netloc}"
+        try:
+            response = await self.http.get(root + "/version", timeout=10.0)
+            body = response.json() if response.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return None
+        version = body.get("version") if isinstance(body, dict) else None
+        return str(version) if version is not None else None
+
+    async def start(self, first_prompt: list[int], prompt_text: str) -> ServerInfo:
+        """Discover the server and check, with one short completion, that it takes token-id
+        prompts (else text, said in the manifest) and returns top-k logprobs by token id."""
+        info = await self.discover()
+        body = self._body(info.served_model, first_prompt, 2)
+        response = await self._request("POST", "/completions", "the first completion", json=body)
+        if response.status_code == 400 and _refuses_token_ids(server_message(response)):
+            info.prompt_format = "text"
+            info.notes.append(f"token-id prompts refused ({server_message(response)[:120]}): prompts sent as text")
+            response = await self._request(
+                "POST", "/completions", "the first completion", json=self._body(info.served_model, prompt_text, 2)
+            )
+        self._parse(response, "the first completion", info)
+        self.info = info
+        return info
+
+    # -- completions -------------------------------------------------------------------------------
+
+    def _body(self, served_model: str, prompt, max_tokens: int) -> dict:
+        return {
+            "model": served_model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": self.options.top_logprobs,
+            "stream": False,
+            # vLLM: the emitted ids, and top logprobs keyed by id (ids that decode alike do not collapse).
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+
+    async def complete(self, prompt_ids: list[int], prompt_text: str, max_tokens: int) -> Decoded:
+        info = self.info
+        prompt = prompt_ids if info.prompt_format == "token-ids" else prompt_text
+        response = await self._request(
+            "POST", "/completions", "a completion", json=self._body(info.served_model, prompt, max_tokens)
+        )
+        return self._parse(response, "a completion", info)
+
+    def _parse(self, response: httpx.Response, what: str, info: ServerInfo) -> Decoded:
+        hint = self._resume_hint()
+        if response.status_code != 200:
+            cause = "; the server's log has the cause" if response.status_code >= 500 else ""
+            raise EndpointError(
+                f"{what}: {info.url} answered HTTP {response.status_code}: {server_message(response)}{cause}" + hint
+            )
+        try:
+            body = response.json()
+            choice = body["choices"][0]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise EndpointError(f"{what}: {info.url} answered without an OpenAI completion (no choices)") from None
+        info.system_fingerprint = body.get("system_fingerprint") or info.system_fingerprint
+        logprobs = choice.get("logprobs") or {}
+        top = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+        if not top or any(not entry for entry in top):
+            raise EndpointError(
+                f"{what}: {info.url} returned no top logprobs (asked for "
+                f"{self.options.top_logprobs}); margins need them: enable logprobs on the server "
+                "(vLLM: --max-logprobs)"
+            )
+        tops = [_by_token_id(entry, what, info.url) for entry in top]
+        if any(len(entry) < 2 for entry in tops):
+            raise EndpointError(f"{what}: {info.url} returned fewer than 2 top logprobs per token; margins need 2")
+        ids = choice.get("token_ids")
+        if ids is None:  # servers without return_token_ids: the emitted tokens, keyed like the top logprobs
+            ids = [_token_id(t, what, info.url) for t in logprobs.get("tokens") or []]
+        ids = [int(i) for i in ids]
+        if len(ids) != len(tops):
+            raise EndpointError(f"{what}: {info.url} returned {len(ids)} token ids but {len(tops)} logprob entries")
+        return Decoded(ids, tops)
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc) or type(exc).__name__
+    return _first_line(text, 160)
+
+
+def _refuses_token_ids(message: str) -> bool:
+    lowered = message.lower()
+    return "prompt" in lowered and ("token" in lowered or "list" in lowered or "string" in lowered)
+
+
+def _token_id(key: str, what: str, url: str) -> int:
+    if isinstance(key, str) and key.startswith(TOKEN_ID_PREFIX):
+        return int(key[len(TOKEN_ID_PREFIX) :])
+    raise EndpointError(
+        f"{what}: {url} keys its logprobs by token text ({key!r}), not by id: ids that decode "
+        "alike would collapse; use a server that honours return_tokens_as_token_ids (vLLM)"
+    )
+
+
+def _by_token_id(entry: dict, what: str, url: str) -> dict[int, float]:
+    return {_token_id(key, what, url): float(value) for key, value in entry.items()}
+
+
+async def release_together(calls: list[Callable[[], Awaitable]]) -> tuple[list, float]:
+    """Run the calls concurrently, all released at one instant so the server's scheduler batches
+    them; (results in order, seconds from release to the last answer). The first failure cancels
+    the rest."""
+    gate = asyncio.Event()
+
+    async def one(call):
+        await gate.wait()
+        return await call()
+
+    tasks = [asyncio.ensure_future(one(call)) for call in calls]
+    await asyncio.sleep(0)  # every task is now waiting at the gate
+    started = time.perf_counter()
+    gate.set()
+    try:
+        answers = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    return answers, time.perf_counter() - started

@@ -1,0 +1,114 @@
+"""A server process on a free loopback port, started and stopped by its own PID (demo, tests, bench).
+
+`examples/serve_vllm_cpu.sh` execs vLLM in the foreground; this starts it in a new session, so
+stopping it (SIGTERM to its process group, SIGKILL after a grace period) also stops the engine
+processes vLLM spawns, and nothing else on the machine is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+SERVE_VLLM_CPU = ROOT / "examples" / "serve_vllm_cpu.sh"
+VLLM_VENV = ROOT / ".venv-vllm"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class LocalServer:
+    """One server process; `url` is its OpenAI base (http://127.0.0.1:PORT/v1)."""
+
+    def __init__(self, command: list[str], port: int, log: Path, env: dict | None = None):
+        self.command, self.port, self.log, self.env = command, port, log, env
+        self.process: subprocess.Popen | None = None
+
+    @classmethod
+    def vllm_cpu(cls, log: Path, port: int | None = None, extra_args: list[str] = (), env: dict | None = None):
+        """The default model on vLLM's CPU build (`make vllm`), eager unless extra_args say otherwise."""
+        port = port or free_port()
+        return cls([str(SERVE_VLLM_CPU), str(port), *extra_args], port, log, env)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> "LocalServer":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.log, "ab")
+        env = {**os.environ, **(self.env or {})}
+        self.process = subprocess.Popen(
+            self.command, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT
+        )
+        handle.close()
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_ready(self, timeout: float = 900.0) -> float:
+        """Seconds until GET /v1/models answers 200; RuntimeError (with the log's tail) if the
+        process exits or the time runs out."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if not self.alive():
+                raise RuntimeError(
+                    f"server exited with code {self.process.returncode} before answering; log tail:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/models", timeout=5) as response:
+                    if response.status == 200:
+                        return time.monotonic() - started
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"server did not answer within {timeout:.0f} s; log tail:\n{self.log_tail()}")
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM to the server's process group (its PID leads it), SIGKILL after `grace` s; then
+        SIGKILL to whatever of the group outlived its leader (engine workers)."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=grace)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once: a server that dies mid-run."""
+        if self.alive():
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> "LocalServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

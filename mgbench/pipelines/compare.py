@@ -1,0 +1,248 @@
+"""`mgbench compare`: the same prompts and batches decoded under every policy, timed in one process.
+
+Configurations: `none` (plain batched), `always`, `margin<TAU` and `oracle`, each with `column`
+and `exact` repair; `batch-invariant` (every op that varies on this machine made invariant, as
+planned by a probe: the other road to determinism); and
+`solo` (each request alone, sequentially). Every configuration decodes the same batches after
+one warm-up pass; prefill is done alone once and shared, so timings cover the decode steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import torch
+
+from mgbench import SCHEMA_VERSION
+from mgbench.analysis import figures
+from mgbench.analysis.divergence import first_divergence
+from mgbench.assets import datasets
+from mgbench.engines.inprocess.audit import eos_token_ids, pad_token_id
+from mgbench.engines.inprocess.batch_invariant import InvariancePlan, decoding_mode
+from mgbench.engines.inprocess.policies import MarginGate, PolicySpec
+from mgbench.engines.inprocess.runners import run_free, run_solo, synchronize
+from mgbench.engines.inprocess.step import StepContext
+from mgbench.engines.inprocess.stopwatch import Stopwatch
+from mgbench.pipelines.prepared import PreparedRun, prepare
+from mgbench.pipelines.probe import probe_for_run, run_summary
+from mgbench.pipelines.session import finish_output, load_with_status, warn_split
+from mgbench.render import plots, terminal
+from mgbench.render.console import console, progress_bar
+from mgbench.runs import rundir, schema
+from mgbench.runs.groups import ProgressFn, order_requests
+from mgbench.runs.oom import run_shrinking_on_oom
+from mgbench.runs.options import RunOptions
+from mgbench.runs.placement import Placement
+
+BREAKDOWN = ("gate", "decision_sync", "reference_forward", "cache_ops")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    spec: PolicySpec | None  # None: a baseline (solo, batch-invariant)
+
+
+def configurations(tau: float, unit: str) -> list[Config]:
+    configs = [Config("none", PolicySpec("none"))]
+    for kind in ("always", "margin", "oracle"):
+        for repair in ("column", "exact"):
+            spec = PolicySpec(kind, repair, tau if kind == "margin" else None, unit)
+            configs.append(Config(spec.label, spec))
+    return configs + [Config("batch-invariant", None), Config("solo", None)]
+
+
+def _decode_config(
+    config: Config, lm, batches, solos, run: PreparedRun, eos_ids, pad_id, stopwatch, plan: InvariancePlan
+):
+    """Decode every batch under one configuration: (seconds, outputs per request, triggers, repairs)."""
+    model = lm.model
+    seconds, outputs, triggers, repairs = 0.0, {}, 0, 0
+    for members, prompts in batches:
+        if config.name == "solo":
+            for i, prompt in zip(members, prompts):
+                result = run_solo(model, prompt, run.max_new_tokens, eos_ids)
+                seconds += result.decode_seconds
+                outputs[i] = result.tokens.tolist()
+            continue
+        prefills = [solos[i].row_prefill for i in members]
+        if config.name == "batch-invariant":
+            with decoding_mode(model, prompts, plan):
+                free = run_free(model, prompts, prefills, "alone", pad_id, run.max_new_tokens, eos_ids)
+        else:
+            policy = config.spec.build(
+                model, prompts, prefills, [solos[i].logits for i in members], run.max_new_tokens, stopwatch
+            )
+            free = run_free(model, prompts, prefills, "alone", pad_id, run.max_new_tokens, eos_ids, policy)
+        seconds += free.decode_seconds
+        triggers += sum(map(sum, free.triggered))
+        repairs += sum(map(sum, free.repaired))
+        outputs.update(dict(zip(members, free.tokens)))
+    return seconds, outputs, triggers, repairs
+
+
+def gate_cost(lm, batches, solos, tau: float, unit: str, repeats: int = 50) -> dict:
+    """Time of the gate alone (top-2, comparison, the host sync of its decision) on real batch logits."""
+    members, _ = batches[0]
+    logits = torch.stack([solos[i].logits[min(1, len(solos[i].logits) - 1)] for i in members])
+    ctx = StepContext(
+        1,
+        logits,
+        None,
+        [0] * len(members),
+        torch.ones(len(members), dtype=torch.bool, device=logits.device),
+        None,
+        None,
+        [],
+    )
+    gate = MarginGate(tau, unit)
+    gate.flags(ctx).nonzero().tolist()  # warm-up
+    synchronize(logits.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        gate.flags(ctx).nonzero().tolist()
+    synchronize(logits.device)
+    return {"gate_seconds_per_step": (time.perf_counter() - start) / repeats}
+
+
+def time_configurations(
+    lm, run: PreparedRun, tau: float, unit: str, batch_size: int, repeats: int, on_progress: ProgressFn
+) -> tuple[pd.DataFrame, dict]:
+    model, tokenizer, device = lm.model, lm.tokenizer, lm.device
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = pad_token_id(tokenizer, eos_ids)
+    prompts = [datasets.encode(tokenizer, run.config, r.text) for r in run.requests]
+    order = order_requests(prompts, run.options.sort_by_length)
+    tensors = {i: torch.tensor(prompts[i], dtype=torch.long, device=device) for i in order}
+    batches = [
+        (order[s : s + batch_size], [tensors[i] for i in order[s : s + batch_size]])
+        for s in range(0, len(order), batch_size)
+    ]
+    configs = configurations(tau, unit)
+    rows = []
+    probe = probe_for_run(lm, run, batch_size)
+    with torch.inference_mode():
+        solos = {i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids) for i in order}
+        reference = {i: solos[i].tokens.tolist() for i in order}
+        on_progress("solo", len(order))
+        for config in configs:  # warm-up pass on the first batch, not recorded
+            _decode_config(config, lm, batches[:1], solos, run, eos_ids, pad_id, None, probe.plan)
+        on_progress("warmup", 1)
+        for repeat in range(repeats):
+            for config in configs:
+                stopwatch = Stopwatch(device) if repeat == 0 and config.spec is not None else None
+                seconds, outputs, triggers, repairs = _decode_config(
+                    config, lm, batches, solos, run, eos_ids, pad_id, stopwatch, probe.plan
+                )
+                identical = sum(first_divergence(reference[i], outputs[i]) is None for i in order)
+                if config.name == "none" and repeat == 0:
+                    # batched decode iterations: each batch runs as long as its longest row
+                    iterations = sum(max(len(outputs[i]) for i in members) - 1 for members, _ in batches)
+                rows.append(
+                    {
+                        "config": config.name,
+                        "policy": config.spec.kind if config.spec else config.name,
+                        "repair": config.spec.repair if config.spec and config.spec.kind != "none" else "",
+                        "repeat": repeat,
+                        "seconds": seconds,
+                        "tokens": sum(len(outputs[i]) - 1 for i in order),
+                        "sequences": len(order),
+                        "identical": identical,
+                        "steps": sum(len(outputs[i]) for i in order),
+                        "triggers": triggers,
+                        "repairs": repairs,
+                        **{
+                            f"t_{name}": (stopwatch.seconds.get(name, 0.0) if stopwatch else None) for name in BREAKDOWN
+                        },
+                    }
+                )
+                on_progress("configs", 1)
+        extra = {**gate_cost(lm, batches, solos, tau, unit), "batch_invariant": run_summary(probe)}
+    table = pd.DataFrame(rows)
+    plain_step = table.loc[table["config"] == "none", "seconds"].median() / max(1, iterations)
+    extra["plain_batched_step_seconds"] = plain_step
+    extra["gate_share_of_step"] = extra["gate_seconds_per_step"] / plain_step if plain_step > 0 else None
+    return table, extra
+
+
+def clean(value):
+    """NaN -> None: null in JSON."""
+    return None if isinstance(value, float) and value != value else value
+
+
+def run_compare(
+    options: RunOptions,
+    placement: Placement,
+    tau: float | None,
+    unit: str,
+    repeats: int,
+    out: Path,
+    json_out: bool = False,
+) -> None:
+    """`mgbench compare` from validated options to compare.parquet, its plots and its report."""
+    run = prepare(options)
+    if placement.writes:
+        rundir.prepare_out_dir(out)
+    lm = load_with_status(options)
+    configs = len(configurations(tau, unit))
+    with progress_bar() as progress:
+        tasks = {
+            "solo": progress.add_task("solo references", total=len(run.requests)),
+            "warmup": progress.add_task("warm-up", total=1),
+            "configs": progress.add_task(f"{configs} configs x {repeats} repeats", total=configs * repeats),
+        }
+
+        def shrink(batch_size: int, half: int) -> None:
+            warn_split(batch_size, half)
+            for task in tasks.values():
+                progress.reset(task)
+
+        batch_size, (runs, extra) = run_shrinking_on_oom(
+            options.batch_sizes[0],
+            lambda size: time_configurations(
+                lm, run, tau, unit, size, repeats, lambda phase, n: progress.advance(tasks[phase], n)
+            ),
+            shrink,
+        )
+    table = figures.compare_table(runs)
+    summary = {
+        "model": options.model,
+        "dataset": run.config.name,
+        "batch_size": batch_size,
+        "requested_batch_size": options.batch_sizes[0],
+        "sequences": len(run.requests),
+        "max_new_tokens": run.max_new_tokens,
+        "repeats": repeats,
+        "threshold": tau,
+        "threshold_unit": unit,
+        **extra,
+        "configs": [{k: clean(v) for k, v in row.items()} for row in table.to_dict("records")],
+        "reductions": [figures.reductions(runs, repair) for repair in ("column", "exact")],
+        "breakdown": [
+            {k: clean(v) for k, v in row.items()}
+            for row in runs[runs["repeat"] == 0][["config", *[f"t_{b}" for b in BREAKDOWN]]]
+            .dropna(subset=["t_gate"])
+            .to_dict("records")
+        ],
+    }
+    manifest = rundir.manifest(
+        "compare",
+        {**asdict(options), "threshold": tau, "threshold_unit": unit, "repeats": repeats},
+        lm.device,
+        {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source},
+    )
+    if not placement.writes:
+        return
+    compare_table = pa.Table.from_pandas(runs, preserve_index=False)
+    compare_table = compare_table.replace_schema_metadata({schema.SCHEMA_KEY: SCHEMA_VERSION.encode()})
+    rundir.publish_run(
+        out,
+        {"compare": compare_table},
+        {"summary": summary, "manifest": manifest},
+        lambda staging: plots.compare_plots(table, staging),
+    )
+    finish_output(out, summary, json_out, lambda: terminal.render_compare(console, summary))

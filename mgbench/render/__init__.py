@@ -1,0 +1,1 @@
+"""Output for people and CI: the terminal (consoles, progress, tables), report.md, plots, JUnit."""

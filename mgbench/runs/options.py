@@ -1,0 +1,65 @@
+"""Run options, validated once at the edge (the CLI builds them; everything after trusts them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mgbench.assets.models import ATTN_IMPLEMENTATIONS, DEFAULT_MODEL, DTYPES
+from mgbench.errors import UserError
+from mgbench.runs.machine import check_kernel_environment
+
+# How prompts are prefilled: each alone at batch size 1 (as serving engines do), or one left-padded batch.
+PREFILL_MODES = ("alone", "batched")
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """'1,4,16' -> (1, 4, 16); a clear error for anything else."""
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UserError(f"--batch-sizes {text!r}: expected comma-separated integers such as 1,4,16") from None
+    if not sizes:
+        raise UserError("--batch-sizes is empty: give at least one batch size")
+    return sizes
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    model: str = DEFAULT_MODEL
+    dataset: str = "math500"
+    limit: int | None = None
+    seed: int = 0
+    batch_sizes: tuple[int, ...] = (8,)
+    max_new_tokens: int | None = None  # None: the dataset config's default
+    prefill: str = "alone"
+    sort_by_length: bool = False
+    dtype: str = "bf16"
+    device: str = "auto"
+    attn: str = "sdpa"
+    tp_plan: str | None = None  # transformers tensor parallelism ("auto") under torchrun
+    batch_invariant: bool = False  # decode batches with every varying op made invariant (probed)
+
+    def __post_init__(self) -> None:
+        if any(b < 1 for b in self.batch_sizes):
+            raise UserError(f"batch size must be at least 1 (got {', '.join(map(str, self.batch_sizes))})")
+        if len(set(self.batch_sizes)) != len(self.batch_sizes):
+            raise UserError(f"--batch-sizes repeats a value: {', '.join(map(str, self.batch_sizes))}")
+        if self.limit is not None and self.limit < 1:
+            raise UserError(f"--limit must be at least 1 (got {self.limit})")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be at least 1 (got {self.max_new_tokens})")
+        if self.prefill not in PREFILL_MODES:
+            raise UserError(f"--prefill {self.prefill!r}: choose one of {', '.join(PREFILL_MODES)}")
+        if self.dtype not in DTYPES:
+            raise UserError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.attn not in ATTN_IMPLEMENTATIONS:
+            raise UserError(f"--attn {self.attn!r}: choose one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+        if self.batch_invariant and self.prefill != "alone":
+            raise UserError(
+                "--batch-invariant prefills each request alone (the padded prefill is the batch "
+                "dependence it removes): drop --prefill batched"
+            )
+        if self.tp_plan not in (None, "auto"):
+            raise UserError(f"--tp-plan {self.tp_plan!r}: the only plan is auto (the model's own tensor-parallel plan)")
+        if not self.device.startswith("cuda"):
+            check_kernel_environment()  # before any torch kernel runs: a wrong pair crashes or lies
