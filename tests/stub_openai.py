@@ -1,7 +1,9 @@
 """A small OpenAI-compatible completions server in a thread, for fault and resume tests.
 
 Greedy completions are a pure function of the prompt ids (so solo and batched agree unless a
-test asks otherwise), with vLLM's response shape: `token_ids`, top logprobs keyed `token_id:N`.
+test asks otherwise), with vLLM's response shape (`token_ids`, top logprobs keyed `token_id:N`) or,
+with `llamacpp=True`, llama.cpp's (`logprobs.content[i] = {id, logprob, top_logprobs: [{id,
+logprob}]}`, GET /props and no /version).
 `mode` picks a fault: "ok", "not-openai", "no-logprobs", "text-keys", "http-500", "drop"
 (close the connection without an answer), "slow"; `fail_after` lets that many completions
 succeed first. Bound to 127.0.0.1 on a free port; `stop()` shuts it down.
@@ -23,9 +25,12 @@ def greedy_tokens(prompt: list[int], max_tokens: int, flip_at: int | None = None
 
 
 class StubState:
-    def __init__(self, mode: str = "ok", fail_after: int = 0, models=("stub-model",), flip_when_concurrent=False):
+    def __init__(
+        self, mode: str = "ok", fail_after: int = 0, models=("stub-model",), flip_when_concurrent=False, llamacpp=False
+    ):
         self.mode, self.fail_after, self.models = mode, fail_after, list(models)
-        self.flip_when_concurrent = flip_when_concurrent
+        self.flip_when_concurrent, self.llamacpp = flip_when_concurrent, llamacpp
+        self.bodies: list[dict] = []  # every completion request received
         self.completions = 0
         self.active: list[dict] = []  # requests being answered; each marks whether another overlapped it
         self.lock = threading.Lock()
@@ -48,6 +53,8 @@ def _completion(state: StubState, body: dict, concurrent: bool) -> dict:
         if state.mode == "no-logprobs" or k == 0
         else {"tokens": [f"token_id:{t}" for t in tokens], "top_logprobs": top}
     )
+    if state.llamacpp:
+        return {"choices": [{"index": 0, "text": "", "logprobs": _content(tokens, top) if logprobs else None}]}
     return {
         "id": "cmpl-stub",
         "object": "text_completion",
@@ -55,6 +62,15 @@ def _completion(state: StubState, body: dict, concurrent: bool) -> dict:
         "system_fingerprint": "stub-1",
         "choices": [{"index": 0, "text": "", "token_ids": tokens, "logprobs": logprobs, "finish_reason": "length"}],
     }
+
+
+def _content(tokens: list[int], top: list[dict]) -> dict:
+    """llama.cpp's logprobs: one entry per emitted token, ids beside the text."""
+    entries = []
+    for token, entry in zip(tokens, top):
+        ranked = [{"id": int(key.split(":")[1]), "token": "", "bytes": [], "logprob": v} for key, v in entry.items()]
+        entries.append({"id": token, "token": "", "bytes": [], "logprob": ranked[0]["logprob"], "top_logprobs": ranked})
+    return {"content": entries}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -76,8 +92,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, b"<html><body>Not Found</body></html>", "text/html")
         elif self.path == "/v1/models":
             self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in self.state.models]})
-        elif self.path == "/version":
+        elif self.path == "/version" and not self.state.llamacpp:
             self._send(200, {"version": "0.0-stub"})
+        elif self.path == "/props" and self.state.llamacpp:
+            self._send(200, {"total_slots": 8, "build_info": "b1-stub", "model_path": "stub.gguf"})
         else:
             self._send(404, {"detail": "Not Found"})
 
@@ -91,6 +109,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, {"error": {"message": f"The model `{body['model']}` does not exist.", "code": 404}})
             return
         with state.lock:
+            state.bodies.append(body)
             state.completions += 1
             failing = state.mode in ("http-500", "drop", "slow") and state.completions > state.fail_after
             mine = {"concurrent": bool(state.active)}

@@ -63,6 +63,28 @@ def test_positive_control_concurrent_variance_is_caught_and_negative_control_is_
     assert clean["steps"] == 4 * 6
 
 
+def test_llamacpp_response_shape_is_read_by_the_response_and_audited_alike(tmp_path):
+    # The same planted variance as above, answered in llama.cpp's shape: the audit must be the same.
+    state = StubState(flip_when_concurrent=True, llamacpp=True)
+    with StubServer(state) as server:
+        result = flips(server.url, tmp_path / "llama")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["flips"] == 4 and summary["sequences_diverged"] == 4 and summary["max_logprob_drift"] == 0.125
+    assert summary["engine"] == "llama.cpp b1-stub, 8 slots"
+    assert all(body["cache_prompt"] is False for body in state.bodies)  # a server with /props takes it
+    manifest = json.loads((tmp_path / "llama" / "manifest.json").read_text())
+    assert manifest["endpoint"]["props"]["total_slots"] == 8 and manifest["endpoint"]["server_version"] == "b1-stub"
+    steps = pd.read_parquet(tmp_path / "llama" / "steps.parquet")
+    with StubServer(StubState(flip_when_concurrent=True)) as server:  # vLLM's shape, same answers
+        assert flips(server.url, tmp_path / "vllm").exit_code == 0
+    vllm_steps = pd.read_parquet(tmp_path / "vllm" / "steps.parquet")
+    pd.testing.assert_frame_equal(steps, vllm_steps)
+    with StubServer(state := StubState()) as server:  # vLLM's shape: no cache_prompt sent
+        assert flips(server.url, tmp_path / "plain").exit_code == 0
+    assert all("cache_prompt" not in body for body in state.bodies)
+
+
 def test_calibrate_reads_an_endpoint_run_and_refuses_its_null_ulps(tmp_path):
     with StubServer(StubState(flip_when_concurrent=True)) as server:
         assert flips(server.url, tmp_path / "run").exit_code == 0

@@ -64,6 +64,7 @@ def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
             "determinism",
             "drift (same-token steps)",
             "max drift",
+            "solo twice",
             "solo tok/s",
             "batched tok/s",
         ],
@@ -249,15 +250,37 @@ SECTIONS = {
 }
 
 
+def engine_build(manifest: dict) -> tuple[str, str]:
+    """(version or build, slots) of the engine a flips run audited: a server's own version (vLLM's
+    /version, llama.cpp's build from /props) and slots; in process, torch and its kernel family."""
+    endpoint = manifest.get("endpoint")
+    if endpoint is not None:
+        slots = (endpoint.get("props") or {}).get("total_slots")
+        return endpoint.get("server_version") or "-", str(slots) if slots else "-"
+    capability = (manifest.get("kernel_environment") or {}).get("cpu_capability")
+    return f"torch {manifest.get('torch', '?')}" + (f" ({capability})" if capability else ""), "-"
+
+
+def solo_repeat_text(summary: dict) -> str:
+    """An endpoint's solo-twice check; the in-process engine decodes solo once (exact by construction)."""
+    repeat = summary.get("solo_repeat")
+    if not repeat:
+        return "-"
+    return "identical" if repeat["deterministic"] else f"{repeat['requests_differing']}/{repeat['requests']} differ"
+
+
 def engines_side_by_side(runs: list[Path]) -> list[str]:
-    """One row per flips run: the engines (in-process, vLLM eager, vLLM compiled...) compared."""
+    """One row per flips run: the engines (in-process, vLLM eager, llama.cpp -np 8...) compared."""
     rows = []
     for run in runs:
         s = _read_json(run / "summary.json")
+        version, slots = engine_build(_read_json(run / "manifest.json"))
         flip_margins = s["margin_logit_quantiles_flip"]
         rows.append(
             [
                 s.get("engine") or run.name,
+                version,
+                slots,
                 s.get("method") or "-",
                 s["dataset"],
                 s["sequences"],
@@ -275,6 +298,7 @@ def engines_side_by_side(runs: list[Path]) -> list[str]:
                 _pct(s["determinism"]),
                 _pct(s.get("drift_share")),
                 _num(s.get("max_logprob_drift")),
+                solo_repeat_text(s),
                 _num(s["solo_tokens_per_s"]),
                 _num(s["batched_tokens_per_s"]),
             ]
@@ -289,6 +313,8 @@ def engines_side_by_side(runs: list[Path]) -> list[str]:
     ] + _table(
         [
             "engine",
+            "version / build",
+            "slots",
             "method",
             "dataset",
             "requests",
@@ -306,6 +332,7 @@ def engines_side_by_side(runs: list[Path]) -> list[str]:
             "determinism",
             "drift",
             "max drift",
+            "solo twice",
             "solo tok/s",
             "batched tok/s",
         ],

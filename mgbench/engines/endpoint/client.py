@@ -71,6 +71,12 @@ class ServerInfo:
     system_fingerprint: str | None = None
     prompt_format: str = "token-ids"  # or "text", for a server that refuses token-id prompts
     notes: list[str] = field(default_factory=list)
+    props: dict | None = None  # llama.cpp's GET /props (slots, build, generation defaults)
+
+    @property
+    def takes_cache_prompt(self) -> bool:
+        """llama.cpp (it answers /props) reuses a cached prompt prefix unless told not to."""
+        return self.props is not None
 
     def to_dict(self) -> dict:
         return {
@@ -81,6 +87,7 @@ class ServerInfo:
             "system_fingerprint": self.system_fingerprint,
             "prompt_format": self.prompt_format,
             "notes": self.notes,
+            **({"props": self.props} if self.props is not None else {}),
         }
 
 
@@ -187,32 +194,35 @@ class EndpointClient:
                 f"{self.options.base} does not serve {wanted!r} (it serves {', '.join(ids)}): fix --served-model"
             )
         info = ServerInfo(self.options.base, wanted, entries[ids.index(wanted)])
-        info.version = await self._version()
+        version = await self._root_json("/version")
+        info.version = str(version["version"]) if version and version.get("version") is not None else None
+        info.props = await self._root_json("/props")
+        if info.props is not None and info.version is None and info.props.get("build_info"):
+            info.version = str(info.props["build_info"])
         return info
 
-    async def _version(self) -> str | None:
-        """vLLM and SGLang answer GET /version beside /v1; others need not."""
+    async def _root_json(self, path: str) -> dict | None:
+        """A JSON object the server answers beside /v1 (vLLM and SGLang: /version; llama.cpp:
+        /props), or None where it has none."""
         parts = urlsplit(self.options.base)
-        root = f"{parts.scheme}://{parts.netloc}"
         try:
-            response = await self.http.get(root + "/version", timeout=10.0)
-            body = response.json() if response.status_code == 200 else {}
+            response = await self.http.get(f"{parts.scheme}://{parts.netloc}{path}", timeout=10.0)
+            body = response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
-        version = body.get("version") if isinstance(body, dict) else None
-        return str(version) if version is not None else None
+        return body if isinstance(body, dict) else None
 
     async def start(self, first_prompt: list[int], prompt_text: str) -> ServerInfo:
         """Discover the server and check, with one short completion, that it takes token-id
         prompts (else text, said in the manifest) and returns top-k logprobs by token id."""
         info = await self.discover()
-        body = self._body(info.served_model, first_prompt, 2)
+        body = self._body(info, first_prompt, 2)
         response = await self._request("POST", "/completions", "the first completion", json=body)
         if response.status_code == 400 and _refuses_token_ids(server_message(response)):
             info.prompt_format = "text"
             info.notes.append(f"token-id prompts refused ({server_message(response)[:120]}): prompts sent as text")
             response = await self._request(
-                "POST", "/completions", "the first completion", json=self._body(info.served_model, prompt_text, 2)
+                "POST", "/completions", "the first completion", json=self._body(info, prompt_text, 2)
             )
         self._parse(response, "the first completion", info)
         self.info = info
@@ -220,9 +230,9 @@ class EndpointClient:
 
     # -- completions -------------------------------------------------------------------------------
 
-    def _body(self, served_model: str, prompt, max_tokens: int) -> dict:
+    def _body(self, info: ServerInfo, prompt, max_tokens: int) -> dict:
         return {
-            "model": served_model,
+            "model": info.served_model,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
@@ -231,13 +241,15 @@ class EndpointClient:
             # vLLM: the emitted ids, and top logprobs keyed by id (ids that decode alike do not collapse).
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
+            # llama.cpp: compute every prompt again (a cached prefix would make "solo twice" trivial).
+            **({"cache_prompt": False} if info.takes_cache_prompt else {}),
         }
 
     async def complete(self, prompt_ids: list[int], prompt_text: str, max_tokens: int) -> Decoded:
         info = self.info
         prompt = prompt_ids if info.prompt_format == "token-ids" else prompt_text
         response = await self._request(
-            "POST", "/completions", "a completion", json=self._body(info.served_model, prompt, max_tokens)
+            "POST", "/completions", "a completion", json=self._body(info, prompt, max_tokens)
         )
         return self._parse(response, "a completion", info)
 
@@ -255,20 +267,21 @@ class EndpointClient:
             raise EndpointError(f"{what}: {info.url} answered without an OpenAI completion (no choices)") from None
         info.system_fingerprint = body.get("system_fingerprint") or info.system_fingerprint
         logprobs = choice.get("logprobs") or {}
-        top = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
-        if not top or any(not entry for entry in top):
+        # Two shapes, told apart by the response: llama.cpp's per-token `content` entries carry
+        # ids; vLLM's parallel lists carry top logprobs keyed "token_id:N".
+        content = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if isinstance(content, list):
+            ids, tops = _content_entries(content, what, info.url)
+        else:
+            ids, tops = _parallel_lists(choice, logprobs, what, info.url)
+        if not tops or any(not entry for entry in tops):
             raise EndpointError(
                 f"{what}: {info.url} returned no top logprobs (asked for "
                 f"{self.options.top_logprobs}); margins need them: enable logprobs on the server "
                 "(vLLM: --max-logprobs)"
             )
-        tops = [_by_token_id(entry, what, info.url) for entry in top]
         if any(len(entry) < 2 for entry in tops):
             raise EndpointError(f"{what}: {info.url} returned fewer than 2 top logprobs per token; margins need 2")
-        ids = choice.get("token_ids")
-        if ids is None:  # servers without return_token_ids: the emitted tokens, keyed like the top logprobs
-            ids = [_token_id(t, what, info.url) for t in logprobs.get("tokens") or []]
-        ids = [int(i) for i in ids]
         if len(ids) != len(tops):
             raise EndpointError(f"{what}: {info.url} returned {len(ids)} token ids but {len(tops)} logprob entries")
         return Decoded(ids, tops)
@@ -295,6 +308,30 @@ def _token_id(key: str, what: str, url: str) -> int:
 
 def _by_token_id(entry: dict, what: str, url: str) -> dict[int, float]:
     return {_token_id(key, what, url): float(value) for key, value in entry.items()}
+
+
+def _parallel_lists(choice: dict, logprobs, what: str, url: str) -> tuple[list[int], list[dict[int, float]]]:
+    """vLLM's shape: `token_ids` beside `logprobs.top_logprobs`, a list of {"token_id:N": logprob}."""
+    top = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+    if not top:
+        return [], []
+    tops = [_by_token_id(entry, what, url) if entry else {} for entry in top]
+    ids = choice.get("token_ids")
+    if ids is None:  # servers without return_token_ids: the emitted tokens, keyed like the top logprobs
+        ids = [_token_id(t, what, url) for t in logprobs.get("tokens") or []]
+    return [int(i) for i in ids], tops
+
+
+def _content_entries(content: list, what: str, url: str) -> tuple[list[int], list[dict[int, float]]]:
+    """llama.cpp's shape: `logprobs.content[i] = {id, token, logprob, top_logprobs: [{id, logprob}]}`."""
+    try:
+        ids = [int(entry["id"]) for entry in content]
+        tops = [{int(t["id"]): float(t["logprob"]) for t in entry.get("top_logprobs") or []} for entry in content]
+    except (KeyError, TypeError, ValueError):
+        raise EndpointError(
+            f"{what}: {url} returned logprobs.content entries without token ids (id, top_logprobs[].id)"
+        ) from None
+    return ids, tops
 
 
 async def release_together(calls: list[Callable[[], Awaitable]]) -> tuple[list, float]:

@@ -88,7 +88,11 @@ class EndpointEngine:
 
 
 def describe_server(info: ServerInfo) -> str:
-    """'vllm 0.32.0' from the fingerprint or /version where the server reports one."""
+    """'vllm 0.32.0' from the fingerprint or /version where the server reports one; llama.cpp
+    (it answers /props) with its build and slots."""
+    if info.props is not None:
+        slots = info.props.get("total_slots")
+        return f"llama.cpp {info.version or 'server'}" + (f", {slots} slots" if slots else "")
     fingerprint = info.system_fingerprint or ""
     name = fingerprint.split("-")[0] if "-" in fingerprint else "server"
     return f"{name} {info.version}" if info.version else f"{name} at {info.url}"

