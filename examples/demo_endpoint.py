@@ -48,8 +48,10 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--variant", choices=LLAMACPP_VARIANTS, default="default", help="llama.cpp build")
     parser.add_argument("--out", type=Path, default=None, help="run directory (default: reports/flips-SERVER-TIME)")
-    parser.add_argument("server_args", nargs="*", help="extra server arguments (after --), e.g. -np 1")
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.server_args = argv[cut + 1 :]  # extra server arguments after --, e.g. -np 1
     stamp = time.strftime("%Y%m%d-%H%M%S")
     chosen = server_for(args, ROOT / "reports" / f"{args.server}-server-{stamp}.log")
     if isinstance(chosen, str):

@@ -2,8 +2,9 @@
 
 Two parts can vary (measured by `invariance_probe.py` on the machine at hand):
 
-- attention over a left-padded cache: each row attends over its own unpadded keys with exactly
-  the call it gets alone (the model's own attention implementation, no mask);
+- attention over a left-padded cache: each row's output equals the call it gets alone (its own
+  unpadded keys, no mask), per row or in an exact grouped form the probe measured
+  (`attention_forms.py`);
 - row-wise modules (linear layers, norms, ...) whose kernel depends on the row count: those the
   probe found varying run in an exact form it measured, chunks of row counts whose results equal
   the row alone, or (linear layers) one batched matrix-vector product per row.
@@ -25,6 +26,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from mgbench.engines.inprocess.attention_forms import PER_ROW, AttentionForm, BatchAttention
 
 # --- attention -------------------------------------------------------------------------------
 
@@ -58,38 +61,29 @@ def wrapped_attention(model, tag: str, wrapper: AttentionWrapper):
         model.set_attn_implementation(previous)
 
 
-def row_alone_attention(base, module, query, key, value, row: int, pad: int, **kwargs) -> torch.Tensor:
-    """Row `row`'s attention output computed as alone: its unpadded keys, no mask (a solo decode
-    step has no padding to mask). [1, q_len, heads, head_dim]."""
-    return base(
-        module, query[row : row + 1], key[row : row + 1, :, pad:], value[row : row + 1, :, pad:], None, **kwargs
-    )[0]
+_BATCH: ContextVar[BatchAttention | None] = ContextVar("mgbench_batch_attention", default=None)
 
 
-_PAD_LENS: ContextVar[list[int] | None] = ContextVar("mgbench_pad_lens", default=None)
-
-
-def _per_row(base, module, query, key, value, attention_mask, **kwargs):
-    pads = _PAD_LENS.get()
+def _invariant_attention(base, module, query, key, value, attention_mask, **kwargs):
+    batch = _BATCH.get()
     # Forwards of another row count (a verifier's batch-of-one reference, a prefill alone) have no
     # padding: the plain call is already the solo call.
-    if pads is None or query.shape[0] != len(pads):
+    if batch is None or query.shape[0] != len(batch.pads):
         return base(module, query, key, value, attention_mask, **kwargs)
     if query.shape[2] != 1:
-        raise ValueError("per-row attention covers decode steps; prefill each request alone")
-    rows = [row_alone_attention(base, module, query, key, value, r, pad, **kwargs) for r, pad in enumerate(pads)]
-    return torch.cat(rows), None
+        raise ValueError("batch-invariant attention covers decode steps; prefill each request alone")
+    return batch(base, module, query, key, value, **kwargs), None
 
 
 @contextmanager
-def per_row_attention(model, pad_lens: list[int]):
-    """Decode steps of this batch (`pad_lens` per row) attend per row over unpadded keys."""
-    token = _PAD_LENS.set(list(pad_lens))
+def invariant_attention(model, pad_lens: list[int], form: AttentionForm = PER_ROW):
+    """Decode steps of this batch (`pad_lens` per row) attend as each row alone, in `form`."""
+    token = _BATCH.set(BatchAttention(pad_lens, form))
     try:
-        with wrapped_attention(model, "per_row", _per_row):
+        with wrapped_attention(model, "invariant", _invariant_attention):
             yield
     finally:
-        _PAD_LENS.reset(token)
+        _BATCH.reset(token)
 
 
 # --- row-wise modules ------------------------------------------------------------------------
@@ -179,13 +173,14 @@ class InvariancePlan:
     """What the batch-invariant mode changes on this machine (from a probe)."""
 
     forms: dict[str, RowForm] = field(default_factory=dict)  # varying module name -> exact form
+    attention: AttentionForm = PER_ROW  # the fastest attention form the probe found exact
 
     def describe(self) -> dict:
         labels: dict[str, list[str]] = {}
         for name, form in self.forms.items():
             labels.setdefault(form.label, []).append(name)
         return {
-            "attention": "per row (each row over its own unpadded keys, as alone)",
+            "attention": self.attention.label,
             "modules": {label: names for label, names in labels.items()},
         }
 
@@ -194,7 +189,7 @@ class InvariancePlan:
 def batch_invariant(model, pad_lens: list[int], plan: InvariancePlan):
     """Decode steps of this padded batch reproduce each row's solo decoding bitwise."""
     with ExitStack() as stack:
-        stack.enter_context(per_row_attention(model, pad_lens))
+        stack.enter_context(invariant_attention(model, pad_lens, plan.attention))
         stack.enter_context(invariant_modules(model, plan.forms))
         yield
 

@@ -17,12 +17,20 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from mgbench.engines.inprocess.attention_forms import (
+    ALIGNMENTS,
+    PER_ROW,
+    AttentionForm,
+    attend,
+    exact_on,
+    per_row,
+    synthetic_long_calls,
+)
 from mgbench.engines.inprocess.batch_invariant import (
     InvariancePlan,
     RowForm,
     apply_form,
     batch_invariant,
-    row_alone_attention,
     wrapped_attention,
 )
 from mgbench.engines.inprocess.cache import clone_layers
@@ -251,24 +259,21 @@ def _cheapest_form(module, x, allowed: tuple[int, ...], bmm_exact: bool, device)
     return form.label, _time_ms(lambda: module(x), device), ms, form
 
 
-def _attention_finding(capture: _Capture, pad_lens: list[int], implementation: str, device):
-    varies_at, max_diff, rows_differing = set(), 0.0, set()
+def _attention_findings(capture: _Capture, pad_lens: list[int], implementation: str, device):
+    """The plain attention call against each row alone, then every candidate exact form with its
+    verdict and time; (findings, the fastest exact form, rows where plain attention differs)."""
+    varies_at, max_diff, rows_differing, calls = set(), 0.0, set(), []
     for base, module, query, key, value, kwargs, out in capture.attention:
+        reference = per_row(base, module, query, key, value, pad_lens, **kwargs)
+        calls.append((base, module, query, key, value, kwargs, reference))
         for r, pad in enumerate(pad_lens):
-            alone = row_alone_attention(base, module, query, key, value, r, pad, **kwargs)
-            if not torch.equal(out[r : r + 1], alone):
+            if not torch.equal(out[r : r + 1], reference[r : r + 1]):
                 varies_at.add(pad)
                 rows_differing.add(r)
-                max_diff = max(max_diff, _max_diff(out[r : r + 1], alone))
+                max_diff = max(max_diff, _max_diff(out[r : r + 1], reference[r : r + 1]))
     base, module, query, key, value, kwargs, _ = capture.attention[0]
     batched_ms = _time_ms(lambda: base(module, query, key, value, None, **kwargs), device)
-    per_row_ms = _time_ms(
-        lambda: [
-            row_alone_attention(base, module, query, key, value, r, pad, **kwargs) for r, pad in enumerate(pad_lens)
-        ],
-        device,
-    )
-    finding = OpFinding(
+    plain = OpFinding(
         "attention",
         f"{implementation} over left padding",
         len(capture.attention),
@@ -276,11 +281,28 @@ def _attention_finding(capture: _Capture, pad_lens: list[int], implementation: s
         max_diff,
         sorted(varies_at),
         "pad",
-        "per row (unpadded keys, as alone)",
+        "",
         batched_ms,
-        per_row_ms,
     )
-    return finding, rows_differing
+    checks = calls + synthetic_long_calls(calls[0][:6], pad_lens)
+    candidates = [(PER_ROW, True)]
+    if implementation == "sdpa":  # the grouped form calls SDPA itself: only an SDPA model's solo call
+        for align in ALIGNMENTS:
+            form = AttentionForm("aligned", align)
+            candidates.append((form, exact_on(checks, pad_lens, form)))
+    findings, timed = [plain], []
+    for form, exact in candidates:
+        ms = _time_ms(lambda form=form: attend(base, module, query, key, value, pad_lens, form, **kwargs), device)
+        findings.append(
+            OpFinding("attention form", form.label, len(capture.attention), exact, 0.0, [], "pad", "", batched_ms, ms)
+        )
+        if exact:
+            timed.append((ms, form))
+    chosen = min(timed, key=lambda t: t[0])[1]
+    for finding, (form, _) in zip(findings[1:], candidates):
+        finding.form = "chosen" if form == chosen else ("not exact: never used" if not finding.invariant else "")
+    plain.form, plain.form_ms = chosen.label, min(timed, key=lambda t: t[0])[0]
+    return findings, chosen, rows_differing
 
 
 def _assembled(model, prefills: list[RowPrefill]):
@@ -308,12 +330,12 @@ def probe_model(model, prompt: torch.Tensor, rows: int = 16) -> ProbeReport:
         plain_differing = (~_equal_rows(plain, solo)).nonzero().flatten().tolist()
 
         findings, forms, varying_rows = _module_findings(model, capture, device)
-        attention, attention_rows = _attention_finding(capture, pads, implementation, device)
-        findings.append(attention)
+        attention, attention_form, attention_rows = _attention_findings(capture, pads, implementation, device)
+        findings += attention
         argmax_alone = torch.stack([plain[r : r + 1].argmax(-1)[0] for r in range(rows)])
         argmax_ok = torch.equal(plain.argmax(-1), argmax_alone)
         findings.append(OpFinding("argmax", "greedy token", 1, argmax_ok, 0.0, [] if argmax_ok else [rows], "rows"))
-        plan = InvariancePlan(forms)
+        plan = InvariancePlan(forms, attention_form)
 
         def batched_step(mode):
             """One batched step from fresh caches, inside `mode()` (plain or batch-invariant)."""
