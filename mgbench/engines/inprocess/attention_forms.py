@@ -130,13 +130,17 @@ def attend(base, module, query, key, value, pads: list[int], form: AttentionForm
     return BatchAttention(pads, form)(base, module, query, key, value, **kwargs)
 
 
-def exact_on(calls, pads: list[int], form: AttentionForm) -> bool:
-    """Whether `form` reproduces every captured call's per-row outputs bitwise. `calls`:
-    (base, module, query, key, value, kwargs, per-row reference [B, q, heads, dim])."""
-    return all(
-        torch.equal(attend(base, module, q, k, v, pads, form, **kwargs), reference)
-        for base, module, q, k, v, kwargs, reference in calls
-    )
+def form_verdict(calls, pads: list[int], form: AttentionForm) -> tuple[bool, float, list[int]]:
+    """(exact, max |diff|, pad lengths of the rows that differ) of `form` against the per-row
+    reference of every call. `calls`: (base, module, query, key, value, kwargs, reference)."""
+    worst, differing = 0.0, set()
+    for base, module, q, k, v, kwargs, reference in calls:
+        out = attend(base, module, q, k, v, pads, form, **kwargs)
+        for row, pad in enumerate(pads):
+            if not torch.equal(out[row], reference[row]):
+                differing.add(pad)
+                worst = max(worst, float((out[row].float() - reference[row].float()).abs().nan_to_num(0).max()))
+    return not differing, worst, sorted(differing)
 
 
 def synthetic_long_calls(call, pads: list[int], lengths=(KV_BLOCK // 2 + 3, KV_BLOCK, KV_BLOCK + 40)) -> list[tuple]:
