@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    console = Console()
+    console = Console(width=200)  # one line per batch size, also in a log file
     lm = load_model(args.model, "bf16", args.device, "sdpa")
     model, n = lm.model, args.max_new_tokens
     config = datasets.load_config(args.dataset)

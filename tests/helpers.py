@@ -207,3 +207,28 @@ def plain_flip_audit(model, prompts, steps: int, prefill: str = "batched") -> di
         "flipped": flipped,
         "max_abs_logit_diff": (batched.float() - solo_logits.float()).abs().amax(-1),
     }
+
+
+def kill_server_after_first_commit(command: list[str], out, server) -> tuple[int, str, dict]:
+    """Run an endpoint audit (`command`, writing run directory `out`) in a subprocess, SIGKILL
+    `server` once the first group is committed, and wait for the audit to fail:
+    (exit code, stderr, {table: the rows committed before the kill})."""
+    import subprocess
+    import time
+
+    import pandas as pd
+
+    parts = out.parent / f".{out.name}.partial" / "parts"
+    running = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not (parts / "group-00000.json").exists() and running.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (parts / "group-00000.json").exists(), running.communicate()[1][-2000:]
+    server.kill()
+    _, stderr = running.communicate(timeout=120)
+    groups = sorted(p.stem.split("-")[1] for p in parts.glob("group-*.json"))
+    committed = {
+        table: pd.concat([pd.read_parquet(parts / f"{table}-{g}.parquet") for g in groups])
+        for table in ("steps", "sequences")
+    }
+    return running.returncode, stderr, committed

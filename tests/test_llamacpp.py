@@ -8,14 +8,13 @@ a bare client that shares no code with mgbench, on the same prompts.
 """
 
 import json
-import subprocess
 import sys
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pandas as pd
 import pytest
+from helpers import kill_server_after_first_commit
 from typer.testing import CliRunner
 
 from mgbench.assets import datasets
@@ -157,23 +156,10 @@ def test_zz_server_killed_mid_run_then_resume_keeps_committed_groups(llamacpp_se
     out = tmp_path / "run"
     limit = ["--limit", "12"]  # three groups of 4: the kill lands after the first commit
     command = [sys.executable, "-m", "mgbench", *AUDIT, *limit, "--endpoint", server.url, "--out", str(out)]
-    running = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    committed = tmp_path / ".run.partial" / "parts" / "group-00000.json"
-    deadline = time.monotonic() + 600
-    while not committed.exists() and running.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert committed.exists(), running.communicate()[1][-2000:]
-    server.kill()
-    _, stderr = running.communicate(timeout=120)
+    code, stderr, before = kill_server_after_first_commit(command, out, server)
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert running.returncode == 2 and len(errors) == 1 and "--resume" in errors[0], stderr[-2000:]
+    assert code == 2 and len(errors) == 1 and "--resume" in errors[0], stderr[-2000:]
     assert "Traceback" not in stderr
-    parts = tmp_path / ".run.partial" / "parts"
-    groups = sorted(p.stem.split("-")[1] for p in parts.glob("group-*.json"))
-    before = {
-        table: pd.concat([pd.read_parquet(parts / f"{table}-{g}.parquet") for g in groups])
-        for table in ("steps", "sequences")
-    }
     server.start().wait_ready(timeout=300)  # same command, same port
     resumed = runner.invoke(app, [*AUDIT, *limit, "--endpoint", server.url, "--out", str(out), "--resume"])
     assert resumed.exit_code == 0, resumed.output

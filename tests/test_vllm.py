@@ -7,14 +7,13 @@ bare client that shares no code with mgbench, and mgbench's report is checked ag
 """
 
 import json
-import subprocess
 import sys
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pandas as pd
 import pytest
+from helpers import kill_server_after_first_commit
 from typer.testing import CliRunner
 
 from mgbench.assets import datasets
@@ -206,22 +205,9 @@ def test_zz_server_killed_mid_run_then_resume_equals_uninterrupted(vllm, audited
     """Runs last: kills the session's server mid-run, restarts it on the same port, resumes."""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "mgbench", *AUDIT, "--endpoint", vllm.url, "--out", str(out)]
-    audit = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    committed = tmp_path / ".run.partial" / "parts" / "group-00000.json"
-    deadline = time.monotonic() + 600
-    while not committed.exists() and audit.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert committed.exists(), audit.communicate()[1][-2000:]
-    vllm.kill()
-    _, stderr = audit.communicate(timeout=120)
-    assert audit.returncode == 2, stderr[-2000:]
+    code, stderr, committed = kill_server_after_first_commit(command, out, vllm)
+    assert code == 2, stderr[-2000:]
     assert "--resume" in stderr and "Traceback" not in stderr
-    parts = tmp_path / ".run.partial" / "parts"
-    committed_groups = sorted(p.stem.split("-")[1] for p in parts.glob("group-*.json"))
-    committed = {
-        table: pd.concat([pd.read_parquet(parts / f"{table}-{g}.parquet") for g in committed_groups])
-        for table in ("steps", "sequences")
-    }
     vllm.start().wait_ready()  # same command, same port
     resumed = runner.invoke(app, [*AUDIT, "--endpoint", vllm.url, "--out", str(out), "--resume"])
     assert resumed.exit_code == 0, resumed.output
