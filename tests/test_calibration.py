@@ -260,3 +260,53 @@ def test_calibrate_on_planted_flips_puts_tau_above_every_flip(tmp_path, monkeypa
     assert document["per_unit"]["logit"]["max_flip_margin"] < 0.5
     assert document["tau"] > document["per_unit"]["logit"]["max_flip_margin"]
     assert [r["dataset"] for r in document["transfer"]] == ["humaneval", "humaneval"]
+
+
+def sorted_counts(counts):
+    return counts.sort_values(list(calibration.REQUIRED_COLUMNS)).reset_index(drop=True)
+
+
+def grid_steps(rows: int, seed: int = 3) -> pd.DataFrame:
+    """A known answer: margins on a 1/8 grid, flips only at margins <= 0.25 (some at exactly 0.25),
+    two datasets and two batch sizes."""
+    rng = np.random.default_rng(seed)
+    margins = np.round(rng.exponential(1.0, rows) * 8) / 8
+    flipped = (margins <= 0.25) & (rng.random(rows) < 0.3)
+    flipped[np.flatnonzero(margins == 0.25)[:1]] = True
+    frame = steps_frame(margins, flipped)
+    frame["dataset"] = np.where(np.arange(rows) % 2 == 0, "a", "b")
+    frame["batch_size"] = np.where(np.arange(rows) % 3 == 0, 16, 8)
+    return frame
+
+
+def test_streamed_counts_equal_the_in_memory_table_and_give_the_known_tau(tmp_path, monkeypatch):
+    import mgbench.runs.scan as scan
+
+    monkeypatch.setattr(scan, "BATCH_ROWS", 1000)  # many record batches and merges on a small table
+    monkeypatch.setattr(scan, "MERGE_EVERY", 3)
+    frame = grid_steps(20_000)
+    run = write_run(tmp_path / "run", frame)
+    streamed = scan.margin_counts(run)
+    in_memory = calibration.counts_of(rundir.read_steps(run))
+    pd.testing.assert_frame_equal(sorted_counts(streamed), sorted_counts(in_memory), check_dtype=False)
+    options = CalibrateOptions(calibration.SafetyRule("x", 1.0))
+    from_stream, curve_stream = calibrate(streamed, {}, options, ["s"])
+    from_table, curve_table = calibrate(rundir.read_steps(run), {}, options, ["s"])
+    assert from_stream == from_table
+    pd.testing.assert_frame_equal(curve_stream, curve_table)
+    # Independent answer: the next grid value above the largest flip margin (0.25), and the share
+    # of steps below it, from the raw arrays.
+    assert from_stream["tau_min"] == 0.375 and from_stream["flips"] == int(frame["flipped"].sum())
+    assert from_stream["per_unit"]["logit"]["trigger_rate_min"] == float((frame["margin"] < 0.375).mean())
+
+
+def test_streamed_counts_of_a_real_old_run_equal_its_upgraded_table():
+    from pathlib import Path
+
+    import mgbench.runs.scan as scan
+
+    run = Path(__file__).parent / "fixtures" / "v1-flips-run"
+    streamed = scan.margin_counts(run)
+    assert streamed.attrs["schema_version_read"] == "1"
+    in_memory = calibration.counts_of(rundir.read_steps(run))
+    pd.testing.assert_frame_equal(sorted_counts(streamed), sorted_counts(in_memory), check_dtype=False)

@@ -1,8 +1,10 @@
 """Threshold calibration on step tables: the minimal safe TAU, its cost, curves, transfer, bounds.
 
 Pure functions on pandas/numpy (no torch). Margins take discrete values (differences of BF16
-logits), so everything is computed exactly on sorted arrays with `searchsorted`, never on a grid.
-The gate verifies a step when margin < TAU (strict).
+logits), so everything is computed exactly from counts per distinct margin (`counts_of` turns a
+steps table into them; `runs/scan.py` streams them from Parquet without loading the table), with
+integer sums and `searchsorted`, never on a grid. The gate verifies a step when margin < TAU
+(strict).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from mgbench.errors import UserError
 
 UNITS = {"logit": "margin", "ulp": "margin_ulp"}
 REQUIRED_COLUMNS = ("model", "dataset", "batch_size", "flipped", "margin", "margin_ulp")
+COUNT = "count"  # steps per distinct (REQUIRED_COLUMNS) key in a counts table
 DEFAULT_SAFETY = "x1.5"
 # Flips needed before the zero-miss bound drops to 1% at 95% confidence: ln(0.05)/ln(0.99).
 FLIPS_FOR_ONE_PERCENT = 299
@@ -48,6 +51,22 @@ class SafetyRule:
         return f"{self.kind}{self.value:g}"
 
 
+def counts_of(steps: pd.DataFrame) -> pd.DataFrame:
+    """A steps table as counts per distinct REQUIRED_COLUMNS key (a counts table passes through)."""
+    if COUNT in steps.columns:
+        return steps
+    missing = [c for c in REQUIRED_COLUMNS if c not in steps.columns]
+    if missing:
+        raise UserError(f"steps table lacks columns {', '.join(missing)}")
+    counts = steps.groupby(list(REQUIRED_COLUMNS), dropna=False, sort=False).size().reset_index(name=COUNT)
+    counts.attrs = dict(steps.attrs)
+    return counts
+
+
+def weights(counts: pd.DataFrame) -> np.ndarray:
+    return counts[COUNT].to_numpy(dtype=np.int64)
+
+
 def measured_units(steps: pd.DataFrame) -> list[str]:
     """Units whose margin column the run measured: an endpoint run's ulp column is all null (an
     API gives logprobs, not the top-1 logit the ulp needs)."""
@@ -55,20 +74,23 @@ def measured_units(steps: pd.DataFrame) -> list[str]:
 
 
 def validate_steps(steps: pd.DataFrame, source: str) -> pd.DataFrame:
+    """The counts of a steps (or counts) table, refused in one line when they cannot calibrate."""
     missing = [c for c in REQUIRED_COLUMNS if c not in steps.columns]
     if missing:
         raise UserError(f"{source}: steps table lacks columns {', '.join(missing)}")
+    counts = counts_of(steps)
+    w = weights(counts)
     for column in ("margin", "margin_ulp"):
-        values = steps[column].to_numpy(dtype=np.float64)
+        values = counts[column].to_numpy(dtype=np.float64)
         if column == "margin_ulp" and len(values) and np.isnan(values).all():
             continue  # not measured (an endpoint run); calibrate refuses the ulp unit for it
         if np.isnan(values).any():
-            raise UserError(f"{source}: column {column} has {int(np.isnan(values).sum())} NaN values")
+            raise UserError(f"{source}: column {column} has {int(w[np.isnan(values)].sum())} NaN values")
         if (values < 0).any():
             raise UserError(f"{source}: column {column} has negative margins (top-1 minus top-2 is never negative)")
-    if not len(steps):
+    if not int(w.sum()):
         raise UserError(f"{source}: steps table is empty")
-    return steps
+    return counts
 
 
 def count_below(sorted_values: np.ndarray, tau: float | np.ndarray) -> np.ndarray:
@@ -78,7 +100,8 @@ def count_below(sorted_values: np.ndarray, tau: float | np.ndarray) -> np.ndarra
 
 def minimal_tau(margins: np.ndarray, flipped: np.ndarray) -> float | None:
     """Smallest TAU with every flip's margin < TAU: the next distinct observed margin above the
-    largest flip margin (no step lies in between, so any smaller TAU above it costs the same)."""
+    largest flip margin (no step lies in between, so any smaller TAU above it costs the same).
+    Repeated values change nothing, so distinct margins with their flip flags are enough."""
     if not flipped.any():
         return None
     worst = float(margins[flipped].max())
@@ -97,46 +120,59 @@ def miss_bound(flips: int, misses: int, confidence: float) -> float:
     return 1.0 if misses >= flips else float(beta.ppf(confidence, misses + 1, flips - misses))
 
 
+def _unit_arrays(steps: pd.DataFrame, unit: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(margins, flipped, step counts) of a steps or counts table."""
+    counts = counts_of(steps)
+    return counts[UNITS[unit]].to_numpy(dtype=np.float64), counts["flipped"].to_numpy(dtype=bool), weights(counts)
+
+
 def gate_figures(steps: pd.DataFrame, unit: str, tau: float) -> dict:
-    """Recall of flips and trigger rate of the gate `margin < tau` on a steps table."""
-    margins = steps[UNITS[unit]].to_numpy(dtype=np.float64)
-    flipped = steps["flipped"].to_numpy(dtype=bool)
-    caught = int((margins[flipped] < tau).sum())
-    flips = int(flipped.sum())
+    """Recall of flips and trigger rate of the gate `margin < tau` on a steps (or counts) table."""
+    margins, flipped, w = _unit_arrays(steps, unit)
+    total = int(w.sum())
+    caught = int(w[flipped & (margins < tau)].sum())
+    flips = int(w[flipped].sum())
     return {
-        "steps": int(len(margins)),
+        "steps": total,
         "flips": flips,
         "caught": caught,
         "missed": flips - caught,
         "recall": caught / flips if flips else None,
-        "trigger_rate": float((margins < tau).mean()),
-        "flip_rate": flips / len(margins) if len(margins) else None,
+        "trigger_rate": float(np.int64(w[margins < tau].sum()) / np.int64(total)),
+        "flip_rate": flips / total if total else None,
     }
+
+
+def _cumulative(margins: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct sorted margins, steps below each index: cum[i] = steps with margin < values[i])."""
+    values, inverse = np.unique(margins, return_inverse=True)
+    per_value = np.zeros(len(values), np.int64)
+    np.add.at(per_value, inverse, w)
+    return values, np.concatenate([[0], np.cumsum(per_value)])
 
 
 def curve(steps: pd.DataFrame, unit: str) -> pd.DataFrame:
     """Recall and trigger rate at every distinct observed margin used as TAU (plus one past the max)."""
-    margins = np.sort(steps[UNITS[unit]].to_numpy(dtype=np.float64))
-    flip_margins = np.sort(steps.loc[steps["flipped"], UNITS[unit]].to_numpy(dtype=np.float64))
-    taus = np.unique(margins)
+    margins, flipped, w = _unit_arrays(steps, unit)
+    taus, below = _cumulative(margins, w)
+    flip_values, flips_below = _cumulative(margins[flipped], w[flipped])
     taus = np.append(taus, np.nextafter(taus[-1], np.inf))
-    flips = len(flip_margins)
+    flips, total = int(flips_below[-1]), int(below[-1])
     return pd.DataFrame(
         {
             "unit": unit,
             "tau": taus,
-            "recall": count_below(flip_margins, taus) / flips if flips else np.nan,
-            "trigger_rate": count_below(margins, taus) / len(margins),
+            "recall": flips_below[count_below(flip_values, taus)] / flips if flips else np.nan,
+            "trigger_rate": below[count_below(taus[:-1], taus)] / total,
         }
     )
 
 
 def calibrate_unit(steps: pd.DataFrame, unit: str, safety: SafetyRule, confidence: float) -> dict:
-    margins = steps[UNITS[unit]].to_numpy(dtype=np.float64)
-    flipped = steps["flipped"].to_numpy(dtype=bool)
+    margins, flipped, w = _unit_arrays(steps, unit)
     tau_min = minimal_tau(margins, flipped)
-    flips = int(flipped.sum())
-    result = {"unit": unit, "flips": flips, "steps": int(len(margins)), "oracle_trigger_rate": flips / len(margins)}
+    flips, total = int(w[flipped].sum()), int(w.sum())
+    result = {"unit": unit, "flips": flips, "steps": total, "oracle_trigger_rate": flips / total}
     if tau_min is None:
         return {
             **result,

@@ -17,12 +17,10 @@ from mgbench.analysis import calibration
 from mgbench.analysis.calibration import CalibrateOptions
 from mgbench.assets.models import cache_root
 from mgbench.errors import UserError
-from mgbench.pipelines.flips import in_process_engine, open_writer, record_with_progress
-from mgbench.pipelines.prepared import prepare
 from mgbench.pipelines.session import finish_output, load_with_status
 from mgbench.render import terminal
 from mgbench.render.console import console, err_console
-from mgbench.runs import rundir, schema
+from mgbench.runs import rundir, scan, schema
 from mgbench.runs.options import RunOptions
 
 
@@ -40,7 +38,7 @@ def traces_for(options: RunOptions, record: Callable[[RunOptions, Path], None]) 
     reused = rundir.is_complete_run(folder)
     if not reused:
         record(options, folder)
-    return rundir.read_steps(folder), str(folder), reused
+    return scan.margin_counts(folder), str(folder), reused
 
 
 def single_model(tables: list[pd.DataFrame]) -> str:
@@ -54,9 +52,9 @@ def calibrate(
     calibration_steps: pd.DataFrame, transfer: dict[str, pd.DataFrame], options: CalibrateOptions, sources: list[str]
 ) -> tuple[dict, pd.DataFrame]:
     """(calibration document, curve table) for the given steps."""
+    # Counts per distinct margin from here on: a streamed run arrives as counts already.
     steps = calibration.validate_steps(calibration_steps, "calibration traces")
-    for name, table in transfer.items():
-        calibration.validate_steps(table, f"transfer {name}")
+    transfer = {name: calibration.validate_steps(table, f"transfer {name}") for name, table in transfer.items()}
     model = single_model([steps, *transfer.values()])
     units = [
         u
@@ -128,6 +126,10 @@ def run_calibrate(
 
     def record(opts: RunOptions, folder: Path) -> None:
         # Recording a trace always resumes: an interrupted calibrate continues where it stopped.
+        # Imported here: calibrating recorded runs needs no torch, model or engine (it starts fast).
+        from mgbench.pipelines.flips import in_process_engine, open_writer, record_with_progress
+        from mgbench.pipelines.prepared import prepare
+
         run = prepare(opts, resume=True)
         with open_writer(run, folder) as writer:
             if "lm" not in loaded:
@@ -142,7 +144,7 @@ def run_calibrate(
     def traces(item: str):
         path = Path(item)
         if is_run(item):
-            steps, source = rundir.read_steps(path), str(path)
+            steps, source = scan.margin_counts(path), str(path)
         else:
             steps, source, reused = traces_for(replace(record_options, dataset=item), record)
             err_console.print(

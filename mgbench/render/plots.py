@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from mgbench.analysis.calibration import UNITS  # noqa: E402
+from mgbench.analysis.calibration import COUNT, UNITS, counts_of  # noqa: E402
 
 
 def calibration_curves(curves: pd.DataFrame, taus: dict[str, float | None], path: Path) -> None:
@@ -38,25 +38,41 @@ def calibration_curves(curves: pd.DataFrame, taus: dict[str, float | None], path
     plt.close(fig)
 
 
+def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    """The smallest value with at least a share q of the weight at or below it."""
+    order = np.argsort(values, kind="stable")
+    cumulative = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(cumulative, q * cumulative[-1])])
+
+
 def margin_histograms(steps: pd.DataFrame, path: Path) -> None:
-    """Margins at flip vs non-flip steps (density), one panel per unit."""
-    units = {u: c for u, c in UNITS.items() if steps[c].notna().any()} or {"logit": "margin"}  # endpoint: no ulps
+    """Margins at flip vs non-flip steps (density), one panel per unit; from a steps table or its
+    counts per distinct margin (what calibrate streams)."""
+    counts = counts_of(steps)
+    units = {u: c for u, c in UNITS.items() if counts[c].notna().any()} or {"logit": "margin"}  # endpoint: no ulps
     fig, axes = plt.subplots(1, len(units), figsize=(5.5 * len(units), 4), squeeze=False)
+    weight = counts[COUNT].to_numpy(dtype=np.int64)
     for ax, (unit, column) in zip(axes[0], units.items()):
-        values = steps[column].to_numpy(dtype=float)
-        top = np.quantile(values, 0.99) if len(values) else 1.0
+        values = counts[column].to_numpy(dtype=float)
+        top = weighted_quantile(values, weight, 0.99) if len(values) else 1.0
         bins = np.linspace(0, max(top, 1e-6), 60)
-        flipped = steps["flipped"].to_numpy(dtype=bool)
+        flipped = counts["flipped"].to_numpy(dtype=bool)
         ax.hist(
             np.clip(values[~flipped], 0, top),
             bins=bins,
+            weights=weight[~flipped],
             density=True,
             alpha=0.6,
-            label=f"non-flip ({(~flipped).sum()})",
+            label=f"non-flip ({weight[~flipped].sum()})",
         )
         if flipped.any():
             ax.hist(
-                np.clip(values[flipped], 0, top), bins=bins, density=True, alpha=0.8, label=f"flip ({flipped.sum()})"
+                np.clip(values[flipped], 0, top),
+                bins=bins,
+                weights=weight[flipped],
+                density=True,
+                alpha=0.8,
+                label=f"flip ({weight[flipped].sum()})",
             )
         ax.set_xlabel(f"batched top-1/top-2 margin ({unit})")
         ax.set_ylabel("density")

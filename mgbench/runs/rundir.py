@@ -133,12 +133,13 @@ def git_revision() -> str:
 
 
 def device_name(device: str) -> str:
-    import torch
-
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
     from mgbench.runs.machine import cpu_name
 
+    torch = sys.modules.get("torch")
+    if torch is None:  # a run that computed nothing with torch (calibrate on recorded runs)
+        return cpu_name()
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
     return f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})"
 
 
@@ -147,9 +148,11 @@ def manifest(
 ) -> dict:
     """The manifest of a run. `inputs`: the recorded tables it was produced from (a baseline,
     calibration traces), each with the schema version it was read with."""
-    import torch
-    import transformers
+    # Versions from package metadata: a run that never loaded torch (calibrate on recorded runs)
+    # is not made to import it (seconds) just to name it.
+    from importlib.metadata import version
 
+    torch = sys.modules.get("torch")
     return {
         "mgbench_version": __version__,
         "schema_version": SCHEMA_VERSION,
@@ -158,11 +161,11 @@ def manifest(
         "argv": sys.argv,
         "options": options,
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "torch": torch.__version__ if torch is not None else version("torch"),
+        "transformers": version("transformers"),
         "device": device,
         "device_name": device_name(device),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads() if torch is not None else None,
         "kernel_environment": kernel_environment(),
         "inputs": inputs or [],
         "git_revision": git_revision(),

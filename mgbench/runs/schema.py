@@ -175,14 +175,9 @@ def schema_read_from(table) -> str:
     return metadata.get(READ_FROM_KEY, metadata.get(SCHEMA_KEY, SCHEMA_VERSION.encode())).decode()
 
 
-def read_table(path: Path, expected: pa.Schema) -> pa.Table:
-    """Read a table written by mgbench, upgrading older schema versions and refusing foreign or
-    newer-schema files with a clear error."""
-    try:
-        table = pq.read_table(path)
-    except (OSError, pa.ArrowInvalid) as exc:
-        raise UserError(f"{path} is not a readable Parquet file ({exc})") from exc
-    version = (table.schema.metadata or {}).get(SCHEMA_KEY)
+def readable_version(path: Path, schema: pa.Schema) -> str:
+    """The schema version a file's schema carries, refused in one line when it is foreign or newer."""
+    version = (schema.metadata or {}).get(SCHEMA_KEY)
     if version is None:
         raise UserError(f"{path} was not written by mgbench (no {SCHEMA_KEY.decode()} metadata)")
     version = version.decode()
@@ -194,6 +189,17 @@ def read_table(path: Path, expected: pa.Schema) -> pa.Table:
             + f" this mgbench (it reads versions {', '.join(READABLE_VERSIONS)})"
             + ("; upgrade mgbench to read it" if newer else "")
         )
+    return version
+
+
+def read_table(path: Path, expected: pa.Schema) -> pa.Table:
+    """Read a table written by mgbench, upgrading older schema versions and refusing foreign or
+    newer-schema files with a clear error."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise UserError(f"{path} is not a readable Parquet file ({exc})") from exc
+    version = readable_version(path, table.schema)
     if version != SCHEMA_VERSION:
         table = upgrade(table, version, expected)
     missing = [name for name in expected.names if name not in table.schema.names]
