@@ -48,7 +48,7 @@ def run_kind(run: Path) -> str:
 
 def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
     from mgbench.render import plots
-    from mgbench.runs import rundir
+    from mgbench.runs import scan
 
     s = _read_json(run / "summary.json")
     lines = _table(
@@ -111,7 +111,7 @@ def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
 
         verdict = "PASS" if gate["passed"] else "FAIL: " + "; ".join(describe_failure(f) for f in gate["failures"])
         lines += [f"Determinism gate: {verdict}.", ""]
-    plots.margin_histograms(rundir.read_steps(run), out / f"{prefix}margins.png")
+    plots.margin_histograms(scan.margin_counts(run), out / f"{prefix}margins.png")  # streamed: counts, not rows
     return lines + [f"![margins]({prefix}margins.png)", ""]
 
 
