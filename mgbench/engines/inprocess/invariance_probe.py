@@ -19,11 +19,13 @@ import torch
 
 from mgbench.engines.inprocess.attention_forms import (
     ALIGNMENTS,
+    KV_BLOCK,
     PER_ROW,
     AttentionForm,
     attend,
     form_verdict,
     per_row,
+    rows_differing,
     synthetic_long_calls,
 )
 from mgbench.engines.inprocess.batch_invariant import (
@@ -35,6 +37,7 @@ from mgbench.engines.inprocess.batch_invariant import (
 )
 from mgbench.engines.inprocess.cache import clone_layers
 from mgbench.engines.inprocess.decode import RowPrefill, assemble_prefilled, decode_step
+from mgbench.engines.inprocess.metrics import max_abs_diff
 from mgbench.engines.inprocess.runners import row_prefills, synchronize
 from mgbench.runs.machine import cpu_name, kernel_environment
 
@@ -139,12 +142,6 @@ def _equal_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a == b).reshape(a.shape[0], -1).all(-1) | (a.isnan() & b.isnan()).reshape(a.shape[0], -1).all(-1)
 
 
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    d = (a.float() - b.float()).abs()
-    d = d[~d.isnan()]
-    return float(d.max()) if d.numel() else 0.0
-
-
 def _time_ms(fn, device, repeats: int = 3) -> float:
     fn()
     synchronize(device)
@@ -230,13 +227,13 @@ def _module_findings(model, capture: _Capture, device) -> tuple[list[OpFinding],
             if bool(differs.any()):
                 varies_at.add(rows)
                 allowed.discard(rows)
-                max_diff = max(max_diff, _max_diff(y, alone))
+                max_diff = max(max_diff, max_abs_diff(y, alone))
             for m in range(2, rows):
                 part = module(x[:m])
                 if not bool(_equal_rows(part, alone[:m]).all()):
                     varies_at.add(m)
                     allowed.discard(m)
-                    max_diff = max(max_diff, _max_diff(part, alone[:m]))
+                    max_diff = max(max_diff, max_abs_diff(part, alone[:m]))
             if isinstance(module, torch.nn.Linear):
                 bmm_exact &= bool(_equal_rows(apply_form(module, RowForm("bmm"), x), alone).all())
         finding = OpFinding(kind, label, len(names), not varies_at, max_diff, sorted(varies_at), "rows")
@@ -269,15 +266,14 @@ def _padding_mask(pads: list[int], key: torch.Tensor) -> torch.Tensor:
 def _attention_findings(capture: _Capture, pad_lens: list[int], implementation: str, device):
     """The plain attention call against each row alone, then every candidate exact form with its
     verdict and time; (findings, the fastest exact form, rows where plain attention differs)."""
-    varies_at, max_diff, rows_differing, calls = set(), 0.0, set(), []
+    varies_at, max_diff, differing_rows, calls = set(), 0.0, set(), []
     for base, module, query, key, value, kwargs, out in capture.attention:
         reference = per_row(base, module, query, key, value, pad_lens, **kwargs)
         calls.append((base, module, query, key, value, kwargs, reference))
-        for r, pad in enumerate(pad_lens):
-            if not torch.equal(out[r : r + 1], reference[r : r + 1]):
-                varies_at.add(pad)
-                rows_differing.add(r)
-                max_diff = max(max_diff, _max_diff(out[r : r + 1], reference[r : r + 1]))
+        rows, diff = rows_differing(out, reference)
+        differing_rows |= set(rows)
+        varies_at |= {pad_lens[r] for r in rows}
+        max_diff = max(max_diff, diff)
     plain = OpFinding(
         "attention",
         f"{implementation} over left padding",
@@ -287,7 +283,8 @@ def _attention_findings(capture: _Capture, pad_lens: list[int], implementation: 
         sorted(varies_at),
         "pad",
     )
-    checks = calls + synthetic_long_calls(calls[0][:6], pad_lens)
+    synthetic = synthetic_long_calls(calls[0][:6], pad_lens)
+    checks = calls + synthetic
     candidates = [(PER_ROW, (True, 0.0, []))]
     if implementation == "sdpa":  # the grouped form calls SDPA itself: only an SDPA model's solo call
         for align in ALIGNMENTS:
@@ -295,28 +292,31 @@ def _attention_findings(capture: _Capture, pad_lens: list[int], implementation: 
             candidates.append((form, form_verdict(checks, pad_lens, form)))
     # Timed on the probe's own call and on one-block-long random keys: a form that only wins on
     # short keys (the probe prompt) would lose at serving lengths.
-    timing = [calls[0], checks[len(calls) + 1]]
-    timing_batched_ms = sum(
-        _time_ms(lambda c=c: c[0](c[1], c[2], c[3], c[4], _padding_mask(pad_lens, c[3]), **c[5]), device)
-        for c in timing
-    )
+    timing = [calls[0], next(c for c in synthetic if c[3].shape[2] == KV_BLOCK)]
+
+    def plain_ms(call) -> float:
+        base, module, query, key, value, kwargs, _ = call
+        mask = _padding_mask(pad_lens, key)
+        return _time_ms(lambda: base(module, query, key, value, mask, **kwargs), device)
+
+    def form_ms(call, form: AttentionForm) -> float:
+        base, module, query, key, value, kwargs, _ = call
+        return _time_ms(lambda: attend(base, module, query, key, value, pad_lens, form, **kwargs), device)
+
+    timing_batched_ms = sum(plain_ms(call) for call in timing)
     findings, timed = [plain], []
     for form, (exact, diff, differing) in candidates:
-        ms = sum(
-            _time_ms(lambda c=c, form=form: attend(c[0], c[1], c[2], c[3], c[4], pad_lens, form, **c[5]), device)
-            for c in timing
-        )
+        ms = sum(form_ms(call, form) for call in timing)
         finding = OpFinding("attention form", form.label, len(capture.attention), exact, diff, differing, "pad")
         finding.batched_ms, finding.form_ms = timing_batched_ms, ms
         findings.append(finding)
         if exact:
             timed.append((ms, form))
-    chosen = min(timed, key=lambda t: t[0])[1]
+    best_ms, chosen = min(timed, key=lambda t: t[0])
     for finding, (form, _) in zip(findings[1:], candidates):
         finding.form = "chosen" if form == chosen else ("not exact: never used" if not finding.invariant else "")
-    plain.form, plain.batched_ms = chosen.label, timing_batched_ms
-    plain.form_ms = min(timed, key=lambda t: t[0])[0]  # both on the timing calls
-    return findings, chosen, rows_differing
+    plain.form, plain.batched_ms, plain.form_ms = chosen.label, timing_batched_ms, best_ms  # on the timing calls
+    return findings, chosen, differing_rows
 
 
 def _assembled(model, prefills: list[RowPrefill]):
@@ -366,7 +366,7 @@ def probe_model(model, prompt: torch.Tensor, rows: int = 16) -> ProbeReport:
                 "plain batched vs solo logits",
                 1,
                 not plain_differing,
-                _max_diff(plain, solo),
+                max_abs_diff(plain, solo),
                 sorted({pads[r] for r in plain_differing}),
                 "pad",
             )
@@ -377,7 +377,7 @@ def probe_model(model, prompt: torch.Tensor, rows: int = 16) -> ProbeReport:
                 "batch-invariant mode vs solo logits",
                 1,
                 not invariant_differing,
-                _max_diff(invariant, solo),
+                max_abs_diff(invariant, solo),
                 sorted({pads[r] for r in invariant_differing}),
                 "pad",
                 "the plan above",

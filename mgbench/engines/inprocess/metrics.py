@@ -68,3 +68,10 @@ def kv_relative_delta(batched: torch.Tensor, solo: torch.Tensor) -> tuple[torch.
     norm = s.pow(2).sum(dim=(1, 2, 4)).sqrt().clamp(min=torch.finfo(torch.float32).tiny)
     rel = diff / norm  # [layers, steps]
     return rel.mean(0), rel.amax(0)
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| in float32, NaN differences ignored (0.0 when nothing is comparable)."""
+    d = (a.float() - b.float()).abs()
+    d = d[~d.isnan()]
+    return float(d.max()) if d.numel() else 0.0
