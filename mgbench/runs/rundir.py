@@ -92,19 +92,27 @@ def is_complete_run(run: Path) -> bool:
 CANONICAL_ORDER = ("batch_id", "row", "step")
 
 
-def read_run_table(run: Path, name: str, expected: pa.Schema) -> pa.Table:
-    """Table `name` of a run directory: NAME.parquet, or the parts of a sharded run merged in the
-    order one process would have written them."""
+def table_files(run: Path, name: str) -> list[Path]:
+    """The Parquet files of table `name` in a run directory: [NAME.parquet], or a sharded run's
+    parts in shard order (refused while a shard is unfinished)."""
     single = run / f"{name}.parquet"
     if single.is_file():
-        return read_table(single, expected)
+        return [single]
     if not ((run / name).is_dir() or looks_sharded(run)):
         raise UserError(f"{run} is not a run directory (no {name}.parquet)")
     count = check_shards_complete(run)
     from mgbench.runs.shards import Shard
 
-    tables = [read_table(shard_part(run, name, Shard(i, count)), expected) for i in range(count)]
-    merged = pa.concat_tables(tables)
+    return [shard_part(run, name, Shard(i, count)) for i in range(count)]
+
+
+def read_run_table(run: Path, name: str, expected: pa.Schema) -> pa.Table:
+    """Table `name` of a run directory: NAME.parquet, or the parts of a sharded run merged in the
+    order one process would have written them."""
+    files = table_files(run, name)
+    if files == [run / f"{name}.parquet"]:
+        return read_table(files[0], expected)
+    merged = pa.concat_tables([read_table(path, expected) for path in files])
     keys = [(key, "ascending") for key in CANONICAL_ORDER if key in merged.schema.names]
     return merged.sort_by(keys) if keys else merged
 

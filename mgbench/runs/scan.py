@@ -18,7 +18,6 @@ import pyarrow.parquet as pq
 from mgbench.errors import UserError
 from mgbench.runs import rundir
 from mgbench.runs.schema import readable_version
-from mgbench.runs.shards import Shard
 
 COUNT_KEYS = ["model", "dataset", "batch_size", "flipped", "margin", "margin_ulp"]
 BATCH_ROWS = 1 << 21  # rows per scanned record batch
@@ -29,14 +28,7 @@ def steps_files(run: Path) -> list[Path]:
     """The Parquet files holding a run's steps: steps.parquet, a sharded run's parts, or a path."""
     if not run.exists():
         raise UserError(f"{run} does not exist")
-    if not run.is_dir():
-        return [run]
-    if (run / "steps.parquet").is_file():
-        return [run / "steps.parquet"]
-    if not ((run / "steps").is_dir() or rundir.looks_sharded(run)):
-        raise UserError(f"{run} is not a run directory (no steps.parquet)")
-    count = rundir.check_shards_complete(run)
-    return [rundir.shard_part(run, "steps", Shard(i, count)) for i in range(count)]
+    return rundir.table_files(run, "steps") if run.is_dir() else [run]
 
 
 def _batches(files: list[Path]):
@@ -57,9 +49,14 @@ def _decoded(table: pa.Table) -> pa.Table:
     return table
 
 
+def _grouped(table: pa.Table, aggregation: tuple) -> pa.Table:
+    """`table` grouped by COUNT_KEYS, its one aggregate named "count" and placed last."""
+    counted = table.group_by(COUNT_KEYS).aggregate([aggregation])
+    return counted.rename_columns([*COUNT_KEYS, "count"]).select(COUNT_KEYS + ["count"])
+
+
 def _merge(parts: list[pa.Table]) -> pa.Table:
-    merged = pa.concat_tables(parts).group_by(COUNT_KEYS).aggregate([("count", "sum")])
-    return merged.rename_columns([*COUNT_KEYS, "count"]).select(COUNT_KEYS + ["count"])
+    return _grouped(pa.concat_tables(parts), ("count", "sum"))
 
 
 def margin_counts(run: Path) -> pd.DataFrame:
@@ -79,9 +76,7 @@ def margin_counts(run: Path) -> pd.DataFrame:
     parts: list[pa.Table] = []
     for batch in _batches(files):
         if batch.num_rows:
-            counted = pa.Table.from_batches([batch]).group_by(COUNT_KEYS).aggregate([([], "count_all")])
-            counted = counted.rename_columns([*COUNT_KEYS, "count"]).select(COUNT_KEYS + ["count"])
-            parts.append(_decoded(counted))
+            parts.append(_decoded(_grouped(pa.Table.from_batches([batch]), ([], "count_all"))))
         if len(parts) >= MERGE_EVERY:
             parts = [_merge(parts)]
     counts = _merge(parts).to_pandas() if parts else pd.DataFrame(columns=COUNT_KEYS + ["count"])

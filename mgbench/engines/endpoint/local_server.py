@@ -60,14 +60,6 @@ class LocalServer:
         port = port or free_port()
         return cls([str(SERVE_LLAMACPP), str(port), *extra_args], port, log, {"MGBENCH_LLAMACPP_VARIANT": variant})
 
-    def version(self) -> str | None:
-        """The server binary's `--version` lines (llama.cpp), for a manifest or a report."""
-        if self.command[0] != str(SERVE_LLAMACPP):
-            return None
-        server, _ = llamacpp_build((self.env or {}).get("MGBENCH_LLAMACPP_VARIANT", "default"))
-        out = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=30)
-        return " ".join((out.stdout + out.stderr).split()) or None
-
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
