@@ -23,6 +23,8 @@ def test_aligned_groups_share_a_pad_residue_and_leave_pads_multiple_of_the_width
     for rows, shift in groups:
         assert all((pads[r] - shift) % 8 == 0 and pads[r] >= shift for r in rows)
     assert sorted(r for rows, _ in groups for r in rows) == list(range(len(pads)))
+    # The shift is the group's smallest pad: a group of long-padded rows drops all its padding lanes.
+    assert aligned_groups([16, 24, 9, 40], 8) == [([0, 1, 3], 16), ([2], 9)]
 
 
 def random_call(model, rows: int, keys: int, seed: int = 0):

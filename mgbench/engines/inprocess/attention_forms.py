@@ -58,11 +58,12 @@ def per_row(base, module, query, key, value, pads: list[int], **kwargs) -> torch
 
 def aligned_groups(pads: list[int], align: int) -> list[tuple[list[int], int]]:
     """(rows, shift) per group: rows whose pads agree modulo `align`; slicing `shift` keys off the
-    front leaves each row of the group a pad that is a multiple of `align`."""
+    front leaves each row of the group a pad that is a multiple of `align`. The shift is the
+    group's smallest pad, so the group's call spans its longest row's keys, not the batch's."""
     groups: dict[int, list[int]] = {}
     for row, pad in enumerate(pads):
         groups.setdefault(pad % align, []).append(row)
-    return [(rows, shift) for shift, rows in sorted(groups.items())]
+    return [(rows, min(pads[r] for r in rows)) for _, rows in sorted(groups.items())]
 
 
 def sdpa_call(module, query, key, value, mask, scaling):
