@@ -63,7 +63,8 @@ def main() -> None:
         title=f"decode-step attention, one layer: {args.model} ({heads} query / {kv_heads} key heads), "
         f"{cpu_name() if torch.device(lm.device).type == 'cpu' else torch.cuda.get_device_name(lm.device)}"
     )
-    for column in ("batch", "keys", "plain ms", "per row ms", "one call ms", "floor / plain", "floor - plain, x layers"):
+    numbers = ("batch", "keys", "plain ms", "per row ms", "one call ms", "floor / plain", "floor - plain, x layers")
+    for column in numbers:
         table.add_column(column, justify="right")
     table.add_column("exact (= per row)")
     generator = torch.Generator().manual_seed(0)
@@ -87,7 +88,8 @@ def main() -> None:
 
             with torch.inference_mode():
                 reference = rows()
-                exact = [name for name, fn in (("plain", plain), ("one call", one_call)) if torch.equal(fn(), reference)]
+                candidates = (("plain", plain), ("one call", one_call))
+                exact = [name for name, fn in candidates if torch.equal(fn(), reference)]
                 plain_ms, rows_ms, floor_ms = (median_ms(fn, lm.device, args.repeats) for fn in (plain, rows, one_call))
             table.add_row(
                 str(size),
