@@ -5,6 +5,7 @@ import pytest
 
 from mgbench.analysis import figures
 from mgbench.analysis.divergence import first_divergence
+from mgbench.analysis.step_aggregates import aggregate
 
 
 def synthetic_steps():
@@ -46,7 +47,7 @@ def synthetic_sequences():
 
 
 def test_summary_counts_and_rates():
-    summary = figures.summarize_flips(synthetic_steps(), synthetic_sequences())
+    summary = figures.summarize_flips(aggregate(synthetic_steps()), synthetic_sequences())
     assert summary["steps"] == 20 and summary["flips"] == 1
     assert summary["flip_rate"] == pytest.approx(0.05)
     assert summary["sequences_diverged"] == 1 and summary["determinism"] == pytest.approx(0.5)
@@ -60,17 +61,18 @@ def test_summary_counts_and_rates():
 
 
 def test_kv_before_flips_window():
-    table = figures.kv_before_flips(synthetic_steps(), window=8)
-    assert list(table["offset"]) == list(range(-8, 1))
-    assert table.set_index("offset").loc[-8, "kv_delta_mean"] == pytest.approx(0.02)  # step 1 of row 1
-    assert table.set_index("offset").loc[0, "kv_delta_mean"] == pytest.approx(0.10)
-    assert table.attrs["overall_median"] == pytest.approx(0.005)  # ten zeros and 0.01..0.10
+    steps = aggregate(synthetic_steps())
+    table = steps.kv_before_flips
+    assert list(table["offset"]) == list(range(-8, 1)) and (table["flips"] == 1).all()
+    assert table.set_index("offset").loc[-8, "kv_delta_median"] == pytest.approx(0.02)  # step 1 of row 1
+    assert table.set_index("offset").loc[0, "kv_delta_median"] == pytest.approx(0.10)
+    assert steps.kv_overall_median == pytest.approx(0.005)  # ten zeros and 0.01..0.10
 
 
 def test_no_flips_gives_empty_flip_quantiles():
     steps = synthetic_steps()
     steps["flipped"] = False
-    summary = figures.summarize_flips(steps, synthetic_sequences())
+    summary = figures.summarize_flips(aggregate(steps), synthetic_sequences())
     assert summary["flips"] == 0 and summary["margin_logit_quantiles_flip"]["q50"] is None
 
 

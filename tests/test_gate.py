@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mgbench.analysis import gate
+from mgbench.analysis.step_aggregates import aggregate
 from mgbench.cli import app
 
 runner = CliRunner()
@@ -25,12 +26,22 @@ def test_sign_test_and_paired_test():
     assert gate.sign_test_p(7, 0) == pytest.approx(0.5**7)
     assert gate.sign_test_p(3, 3) > 0.5
     steps = pd.DataFrame(
-        {"request_id": [1, 1, 2, 2], "batch_size": 4, "step": [0, 1, 0, 1], "flipped": [True, False, False, True]}
+        {
+            "request_id": [1, 1, 2, 2],
+            "batch_id": 0,
+            "row": [0, 0, 1, 1],
+            "batch_size": 4,
+            "step": [0, 1, 0, 1],
+            "flipped": [True, False, False, True],
+            "margin": 1.0,
+            "margin_ulp": 8.0,
+            "kv_delta_mean": 0.0,
+        }
     )
-    same = gate.paired_test(steps, steps, ["request_id", "batch_size", "step"], "flipped")
+    same = gate.paired_flip_test(aggregate(steps), aggregate(steps))
     assert same["p_value"] == 1.0 and same["newly_bad"] == same["newly_good"] == 0 and same["pairs"] == 4
     clean = steps.assign(flipped=False)
-    worse = gate.paired_test(steps, clean, ["request_id", "batch_size", "step"], "flipped")
+    worse = gate.paired_flip_test(aggregate(steps), aggregate(clean))
     assert worse["newly_bad"] == 2 and worse["p_value"] == pytest.approx(0.25)
 
 

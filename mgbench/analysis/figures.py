@@ -1,4 +1,5 @@
-"""Analysis as pure functions on tables (pandas in, pandas or plain dicts out).
+"""Analysis as pure functions on tables (pandas in, pandas or plain dicts out; a steps table's
+figures from its streamed aggregates, analysis/step_aggregates.py).
 
 Nothing here imports torch or the engine, so run directories recorded elsewhere (a GPU box)
 are analysed anywhere.
@@ -10,63 +11,29 @@ import math
 
 import pandas as pd
 
+from mgbench.analysis.step_aggregates import (
+    StepAggregates,
+    flips_count,
+    margin_quantiles,
+    steps_by_batch_size,
+)
+
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
-KV_WINDOW = 8
 
 
 def _finite(value: float) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
-def margin_quantiles(steps: pd.DataFrame, column: str = "margin") -> pd.DataFrame:
-    """Quantiles of a margin column at flip and at non-flip steps: rows flip/non-flip, columns q."""
-    groups = {"flip": steps.loc[steps["flipped"], column], "non-flip": steps.loc[~steps["flipped"], column]}
-    table = pd.DataFrame(
-        {
-            name: [values.quantile(q) if len(values) else float("nan") for q in QUANTILES]
-            for name, values in groups.items()
-        },
-        index=[f"q{int(q * 100):02d}" for q in QUANTILES],
-    ).T
-    table["count"] = [len(v) for v in groups.values()]
-    return table
-
-
-def rates_by_batch_size(steps: pd.DataFrame, sequences: pd.DataFrame) -> pd.DataFrame:
-    """Per batch size: teacher-forced steps, flips, flip rate, sequences, diverged, determinism."""
-    per_steps = steps.groupby("batch_size").agg(steps=("flipped", "size"), flips=("flipped", "sum"))
+def rates_by_batch_size(steps_per_batch_size: pd.DataFrame, sequences: pd.DataFrame) -> pd.DataFrame:
+    """Per batch size: teacher-forced steps, flips, flip rate, sequences, diverged, determinism.
+    `steps_per_batch_size`: steps and flips, indexed by batch size (step_aggregates.steps_by_batch_size)."""
     per_seq = sequences.groupby("batch_size").agg(sequences=("identical", "size"), identical=("identical", "sum"))
-    table = per_steps.join(per_seq, how="outer").fillna(0).astype(int)
+    table = steps_per_batch_size.join(per_seq, how="outer").fillna(0).astype(int)
     table["flip_rate"] = table["flips"] / table["steps"].where(table["steps"] > 0)
     table["sequences_diverged"] = table["sequences"] - table["identical"]
     table["determinism"] = table["identical"] / table["sequences"].where(table["sequences"] > 0)
     return table.reset_index()
-
-
-def kv_before_flips(steps: pd.DataFrame, window: int = KV_WINDOW) -> pd.DataFrame:
-    """K/V perturbation at each offset (-window..0) from every flip, against the run's overall level.
-
-    Answers "does the K/V drift before a flip, or stay flat?": a flat profile near the overall
-    median means the flip is not announced by the cache.
-    """
-    level = steps.set_index(["batch_id", "row", "step"])["kv_delta_mean"]
-    flips = steps.loc[steps["flipped"], ["batch_id", "row", "step"]]
-    rows = []
-    for offset in range(-window, 1):
-        index = pd.MultiIndex.from_arrays([flips["batch_id"], flips["row"], flips["step"] + offset])
-        values = level.reindex(index).dropna()
-        rows.append(
-            {
-                "offset": offset,
-                "flips": len(values),
-                "kv_delta_mean": values.mean() if len(values) else float("nan"),
-                "kv_delta_median": values.median() if len(values) else float("nan"),
-            }
-        )
-    table = pd.DataFrame(rows)
-    table.attrs["overall_mean"] = float(steps["kv_delta_mean"].mean()) if len(steps) else float("nan")
-    table.attrs["overall_median"] = float(steps["kv_delta_mean"].median()) if len(steps) else float("nan")
-    return table
 
 
 def batch_pad_lengths(sequences: pd.DataFrame) -> pd.DataFrame:
@@ -75,23 +42,22 @@ def batch_pad_lengths(sequences: pd.DataFrame) -> pd.DataFrame:
     return ordered.groupby("batch_id").agg(batch_size=("batch_size", "first"), pad_lens=("pad_len", list)).reset_index()
 
 
-def step_method(steps: pd.DataFrame) -> str | None:
+def step_method(steps: StepAggregates) -> str | None:
     """How the run compared steps with solo ("teacher-forced", "first-divergence"; "mixed" for
     concatenated runs of both engines, None when there are no steps)."""
-    methods = sorted(steps["method"].dropna().unique()) if "method" in steps else []
+    methods = steps.methods
     return methods[0] if len(methods) == 1 else ("mixed" if methods else None)
 
 
-def drift_figures(steps: pd.DataFrame) -> dict:
+def drift_figures(steps: StepAggregates) -> dict:
     """Logprob drift on the steps where solo and batched emit the same token: batch variance that
     has not (yet) flipped a token. Share of those steps whose top-k logprobs differ, and the max."""
-    agreeing = steps.loc[~steps["flipped"], "logprob_drift"].dropna()
-    differing = int((agreeing > 0).sum())
+    agreeing, differing = steps.drift_steps, steps.drift_steps_differing
     return {
-        "drift_steps": int(len(agreeing)),
+        "drift_steps": agreeing,
         "drift_steps_differing": differing,
-        "drift_share": differing / len(agreeing) if len(agreeing) else None,
-        "max_logprob_drift": float(agreeing.max()) if len(agreeing) else None,
+        "drift_share": differing / agreeing if agreeing else None,
+        "max_logprob_drift": steps.max_logprob_drift,
     }
 
 
@@ -114,14 +80,16 @@ def first_divergence_figures(sequences: pd.DataFrame) -> dict:
     }
 
 
-def summarize_flips(steps: pd.DataFrame, sequences: pd.DataFrame) -> dict:
-    """The headline figures of a flips run (summary.json and the terminal report)."""
-    flips = int(steps["flipped"].sum())
+def summarize_flips(steps: StepAggregates, sequences: pd.DataFrame) -> dict:
+    """The headline figures of a flips run (summary.json and the terminal report), from its steps
+    table's aggregates (step_aggregates.aggregate) and its sequences."""
+    flips = flips_count(steps)
+    rows = steps.rows
     diverged = int((~sequences["identical"]).sum())
     summary = {
-        "steps": int(len(steps)),
+        "steps": rows,
         "flips": flips,
-        "flip_rate": flips / len(steps) if len(steps) else None,
+        "flip_rate": flips / rows if rows else None,
         "sequences": int(len(sequences)),
         "sequences_diverged": diverged,
         "determinism": 1 - diverged / len(sequences) if len(sequences) else None,
@@ -129,19 +97,17 @@ def summarize_flips(steps: pd.DataFrame, sequences: pd.DataFrame) -> dict:
         **first_divergence_figures(sequences),
     }
     for column, unit in (("margin", "logit"), ("margin_ulp", "ulp")):
-        quantiles = margin_quantiles(steps, column)
-        for group in quantiles.index:
+        for group, values in margin_quantiles(steps.margin_counts, QUANTILES, column).items():
             key = f"margin_{unit}_quantiles_{group.replace('-', '_')}"
-            summary[key] = {q: _finite(quantiles.loc[group, q]) for q in quantiles.columns if q != "count"}
-    kv = kv_before_flips(steps)
-    summary["kv_delta_overall_median"] = _finite(kv.attrs["overall_median"])
+            summary[key] = {f"q{int(q * 100):02d}": _finite(v) for q, v in zip(QUANTILES, values)}
+    summary["kv_delta_overall_median"] = _finite(steps.kv_overall_median)
     summary["kv_delta_before_flips"] = [
         {"offset": int(r.offset), "flips": int(r.flips), "kv_delta_median": _finite(r.kv_delta_median)}
-        for r in kv.itertuples()
+        for r in steps.kv_before_flips.itertuples()
     ]
     summary["by_batch_size"] = [
         {k: (_finite(v) if isinstance(v, float) else int(v)) for k, v in row.items()}
-        for row in rates_by_batch_size(steps, sequences).to_dict("records")
+        for row in rates_by_batch_size(steps_by_batch_size(steps.margin_counts), sequences).to_dict("records")
     ]
     return summary
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
+from mgbench.analysis.step_aggregates import SEQUENCE_KEYS, StepAggregates, aggregate
 from mgbench.errors import UserError
 
 
@@ -101,41 +103,78 @@ def _pairs(current: pd.DataFrame, baseline: pd.DataFrame, keys: list[str], flag:
     return current[keys + [flag, *carry]].merge(baseline[keys + [flag]], on=keys, suffixes=("", "_baseline"))
 
 
-def _sign_stats(pairs: pd.DataFrame, flag: str, rows: int) -> dict:
-    now, then = pairs[flag].astype(bool), pairs[f"{flag}_baseline"].astype(bool)
-    worse, better = int((now & ~then).sum()), int((~now & then).sum())
-    n = len(pairs)
+def sign_test_stats(pairs: int, bad_now: int, bad_then: int, worse: int, better: int, rows: int) -> dict:
+    """The paired test's figures: `pairs` matched, `bad_now`/`bad_then` of them bad in each run,
+    `worse` bad now only, `better` bad then only, `rows` of the current run (unpaired = rows - pairs)."""
     return {
-        "pairs": n,
-        "rate": float(now.mean()) if n else None,
-        "baseline_rate": float(then.mean()) if n else None,
+        "pairs": pairs,
+        "rate": bad_now / pairs if pairs else None,
+        "baseline_rate": bad_then / pairs if pairs else None,
         "newly_bad": worse,
         "newly_good": better,
         "p_value": sign_test_p(worse, better),
-        "unpaired": rows - n,
+        "unpaired": rows - pairs,
     }
 
 
-def paired_test(current: pd.DataFrame, baseline: pd.DataFrame, keys: list[str], flag: str) -> dict:
-    """Paired regression test of a boolean `flag` (True = bad) over rows matched on `keys`."""
-    return _sign_stats(_pairs(current, baseline, keys, flag), flag, len(current))
+def _sign_stats(pairs: pd.DataFrame, flag: str, rows: int) -> dict:
+    now, then = pairs[flag].astype(bool), pairs[f"{flag}_baseline"].astype(bool)
+    worse, better = int((now & ~then).sum()), int((~now & then).sum())
+    return sign_test_stats(len(pairs), int(now.sum()), int(then.sum()), worse, better, rows)
+
+
+def paired_flip_test(current: StepAggregates, baseline: StepAggregates) -> dict:
+    """The paired test of `flipped` over steps matched on (request, batch size, step), from each
+    run's per-sequence step ranges and flipped steps: the pairs of a sequence are the steps in
+    both ranges. Figures as gate.sign-test statistics."""
+    for name, aggregates in (("this run", current), ("the baseline", baseline)):
+        if aggregates.sequences is None:
+            raise UserError(f"{name}'s steps table has no request_id: steps cannot be paired with the baseline")
+        seqs = aggregates.sequences
+        irregular = seqs[seqs["steps"] != seqs["last_step"] - seqs["first_step"] + 1]
+        if len(irregular):
+            first = irregular.iloc[0]
+            raise UserError(
+                f"{name}: the steps of request {first['request_id']} at batch size {first['batch_size']} are not one "
+                f"contiguous run of distinct steps ({first['steps']} rows over steps {first['first_step']}.."
+                f"{first['last_step']}); the baseline test pairs each step once"
+            )
+    both = current.sequences.merge(baseline.sequences, on=SEQUENCE_KEYS, suffixes=("", "_baseline"))
+    both["lo"] = np.maximum(both["first_step"], both["first_step_baseline"])
+    both["hi"] = np.minimum(both["last_step"], both["last_step_baseline"])
+    pairs = int(np.maximum(both["hi"] - both["lo"] + 1, 0).sum())
+
+    def paired_flips(flip_steps: pd.DataFrame) -> pd.DataFrame:
+        inside = flip_steps.merge(both[SEQUENCE_KEYS + ["lo", "hi"]], on=SEQUENCE_KEYS)
+        return inside.loc[(inside["step"] >= inside["lo"]) & (inside["step"] <= inside["hi"]), SEQUENCE_KEYS + ["step"]]
+
+    now, then = paired_flips(current.flip_steps), paired_flips(baseline.flip_steps)
+    both_flipped = len(now.merge(then, on=SEQUENCE_KEYS + ["step"]))
+    return sign_test_stats(
+        pairs=pairs,
+        bad_now=len(now),
+        bad_then=len(then),
+        worse=len(now) - both_flipped,
+        better=len(then) - both_flipped,
+        rows=current.rows,
+    )
 
 
 def regression(
-    current_steps: pd.DataFrame | None,
+    current_steps: StepAggregates | None,
     current_sequences: pd.DataFrame,
-    baseline_steps: pd.DataFrame | None,
+    baseline_steps: StepAggregates | None,
     baseline_sequences: pd.DataFrame,
     alpha: float,
     group: list[str] | None = None,
 ) -> dict:
-    """Flip rate (steps) and diverged share (sequences) against the baseline, each a paired test."""
+    """Flip rate (steps: teacher-forced flips runs, paired on request, batch size and step from
+    the steps tables' aggregates) and diverged share (sequences, paired on `group` + request and
+    batch size) against the baseline, each a paired test."""
     group = group or []
     result = {"alpha": alpha, "tests": {}}
     if current_steps is not None and baseline_steps is not None:
-        result["tests"]["flip_rate"] = paired_test(
-            current_steps, baseline_steps, group + ["request_id", "batch_size", "step"], "flipped"
-        )
+        result["tests"]["flip_rate"] = paired_flip_test(current_steps, baseline_steps)
     sequences = current_sequences.assign(diverged=~current_sequences["identical"].astype(bool))
     base = baseline_sequences.assign(diverged=~baseline_sequences["identical"].astype(bool))
     keys = group + ["request_id", "batch_size"]
@@ -180,7 +219,7 @@ class Baseline:
     path: Path
     manifest: dict
     summary: dict
-    steps: pd.DataFrame | None  # flips runs only (teacher-forced flips)
+    steps: StepAggregates | None  # flips runs only (teacher-forced flips), streamed into aggregates
     sequences: pd.DataFrame
     schema_version: str  # the table schema the baseline was recorded with (older ones are upgraded on read)
 
@@ -200,7 +239,7 @@ def load_baseline(path: Path, command: str) -> Baseline:
         )
     summary = json.loads((path / "summary.json").read_text())
     if command == "flips":
-        steps = rundir.read_run_table(path, "steps", schema.STEPS_SCHEMA).to_pandas()
+        steps = aggregate(rundir.table_files(path, "steps"))
         sequences = rundir.read_run_table(path, "sequences", schema.SEQUENCES_SCHEMA)
     else:
         from mgbench.runs.schema import VERIFY_SEQUENCES_SCHEMA
@@ -245,7 +284,7 @@ def check_baseline_prompts(baseline: Baseline, prompts: dict[int, list[int]]) ->
 def evaluate(
     spec: GateSpec,
     summary: dict,
-    steps: pd.DataFrame | None,
+    steps: StepAggregates | None,
     sequences: pd.DataFrame,
     baseline: Baseline | None,
     group: list[str] | None = None,

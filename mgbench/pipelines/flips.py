@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow as pa
+import pandas as pd
 
 from mgbench.analysis import figures, gate
 from mgbench.analysis.gate import GateSpec
+from mgbench.analysis.step_aggregates import StepAggregates, aggregate
 from mgbench.assets import datasets
 from mgbench.assets.models import load_tokenizer
 from mgbench.engines.endpoint.engine import EndpointEngine
@@ -44,8 +45,8 @@ def group_record(records: AuditRecords) -> dict:
     }
 
 
-def summarize(run: PreparedRun, tables: dict[str, pa.Table], group_records: list[dict]) -> dict:
-    """Summary of a flips run from its tables and its groups' timings."""
+def summarize(run: PreparedRun, steps: StepAggregates, sequences: pd.DataFrame, group_records: list[dict]) -> dict:
+    """Summary of a flips run from its steps' aggregates, its sequences and its groups' timings."""
     options = run.options
     solo_tokens = sum(r["solo_tokens"] for r in group_records)
     solo_seconds = sum(r["solo_seconds"] for r in group_records)
@@ -55,7 +56,6 @@ def summarize(run: PreparedRun, tables: dict[str, pa.Table], group_records: list
             tokens[b] = tokens.get(b, 0) + n
             seconds[b] = seconds.get(b, 0.0) + record["batched_seconds"][b]
     batched_seconds = sum(seconds.values())
-    steps = tables["steps"].to_pandas()
     return {
         "model": options.model,
         "dataset": run.config.name,
@@ -65,7 +65,7 @@ def summarize(run: PreparedRun, tables: dict[str, pa.Table], group_records: list
         "batch_invariant": options.batch_invariant,
         "max_new_tokens": run.max_new_tokens,
         "batch_sizes": list(options.batch_sizes),
-        **figures.summarize_flips(steps, tables["sequences"].to_pandas()),
+        **figures.summarize_flips(steps, sequences),
         "solo_tokens_per_s": solo_tokens / solo_seconds if solo_seconds > 0 else None,
         "batched_tokens_per_s": sum(tokens.values()) / batched_seconds if batched_seconds > 0 else None,
         "batched_tokens_per_s_by_batch_size": {
@@ -110,9 +110,16 @@ def record_flips(
     Groups already committed by an interrupted run are not decoded again."""
     options, config = run.options, run.config
     writer = writer or open_writer(run, out)
-    summarize_run = lambda tables, records: with_gate(run, summarize(run, tables, records), tables)  # noqa: E731
+
+    def summarize_run(tables: dict, records: list[dict]) -> dict:
+        """The steps table (Arrow, or a sharded run's part files) streamed once into the aggregates
+        that the summary and the gate share; the sequences (one row each) read whole."""
+        steps = aggregate(tables["steps"])
+        summary = summarize(run, steps, tables["sequences"].to_pandas(), records)
+        return with_gate(run, summary, {"steps": steps, "sequences": tables["sequences"]})
+
     if writer.finishing_only:
-        return finish_run(writer, SCHEMAS, summarize_run, None)
+        return finish_run(writer, SCHEMAS, summarize_run, None, streamed=("steps",))
     run.engine_label = engine.label
     prompts = [datasets.encode(engine.tokenizer, config, request.text) for request in run.requests]
     for index, records in engine.audit(run, prompts, run.wanted(writer.done_groups()), on_progress, on_split):
@@ -124,7 +131,7 @@ def record_flips(
             },
             group_record(records),
         )
-    return finish_run(writer, SCHEMAS, summarize_run, engine.manifest(run))
+    return finish_run(writer, SCHEMAS, summarize_run, engine.manifest(run), streamed=("steps",))
 
 
 def in_process_engine(lm, run, label: str | None = None):

@@ -56,11 +56,13 @@ def attach_gate(run, spec, command: str, extra_identity: dict | None = None):
             ),
         )
     if spec.active:
-        teacher_forced = command == "flips"  # verify's steps are free-running: its test is on sequences
+        # verify's steps are free-running: its test is on sequences. flips hands over its steps
+        # table's aggregates (streamed once for the summary and the gate).
+        teacher_forced = command == "flips"
         run.gate = lambda summary, tables: gate.evaluate(
             spec,
             summary,
-            tables["steps"].to_pandas() if teacher_forced else None,
+            tables["steps"] if teacher_forced else None,
             tables["sequences"].to_pandas(),
             baseline,
             None if teacher_forced else ["policy"],

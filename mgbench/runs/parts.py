@@ -239,16 +239,23 @@ def finish_run(
     schemas: dict[str, pa.Schema],
     summarize: Callable[[dict[str, pa.Table], list[dict]], dict],
     manifest: dict | None,
+    streamed: tuple[str, ...] = (),
 ) -> tuple[dict, bool]:
     """Publish the committed groups; (summary of this process's groups, whole run complete?).
 
     `summarize(tables, group records)` computes a summary from tables alone (plus the timings
     kept in the group records), so the merged summary of a sharded run is the same function.
-    `manifest` is None when the writer is only finishing a sharded run (see RunWriter)."""
+    `manifest` is None when the writer is only finishing a sharded run (see RunWriter). The
+    tables named in `streamed` reach the merged summary as their shards' part files (a list of
+    paths, for `summarize` to stream), not merged in memory."""
 
     def finish() -> tuple[dict, dict]:
         shards = rundir.shard_documents(writer.out)
-        merged = {name: rundir.read_run_table(writer.out, name, schema) for name, schema in schemas.items()}
+        out = writer.out
+        merged = {
+            name: rundir.table_files(out, name) if name in streamed else rundir.read_run_table(out, name, schema)
+            for name, schema in schemas.items()
+        }
         merged_records = [record for document in shards for record in document["groups"]]
         return summarize(merged, merged_records), {
             **shards[0]["manifest"],

@@ -1,4 +1,6 @@
-"""Steps tables read by streaming: the counts calibration needs, in memory bounded by distinct values.
+"""Steps tables read by streaming: the counts calibration needs, in memory bounded by distinct values;
+and record batches of any steps table (files, an Arrow table, a DataFrame) for the streamed
+aggregates of a flips summary and the baseline gate (analysis/step_aggregates.py).
 
 Margins live on a bf16 grid, so a table of counts per (model, dataset, batch size, flipped,
 margin, margin_ulp) carries everything a threshold calibration computes, exactly. It is built by
@@ -9,6 +11,7 @@ counts are merged as they come, so memory follows the number of distinct keys, n
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -17,7 +20,7 @@ import pyarrow.parquet as pq
 
 from mgbench.errors import UserError
 from mgbench.runs import rundir
-from mgbench.runs.schema import readable_version
+from mgbench.runs.schema import SCHEMA_VERSION, STEPS_SCHEMA, readable_version, upgrade
 
 COUNT_KEYS = ["model", "dataset", "batch_size", "flipped", "margin", "margin_ulp"]
 BATCH_ROWS = 1 << 21  # rows per scanned record batch
@@ -49,14 +52,15 @@ def _decoded(table: pa.Table) -> pa.Table:
     return table
 
 
-def _grouped(table: pa.Table, aggregation: tuple) -> pa.Table:
-    """`table` grouped by COUNT_KEYS, its one aggregate named "count" and placed last."""
-    counted = table.group_by(COUNT_KEYS).aggregate([aggregation])
-    return counted.rename_columns([*COUNT_KEYS, "count"]).select(COUNT_KEYS + ["count"])
+def grouped_count(table: pa.Table, keys: list[str], aggregation: tuple = ([], "count_all")) -> pa.Table:
+    """`table` grouped by `keys`, its one aggregate named "count" and placed last (the default
+    counts rows; ("count", "sum") merges partial counts)."""
+    counted = table.group_by(keys).aggregate([aggregation])
+    return counted.rename_columns([*keys, "count"]).select(keys + ["count"])
 
 
-def _merge(parts: list[pa.Table]) -> pa.Table:
-    return _grouped(pa.concat_tables(parts), ("count", "sum"))
+def merged_counts(parts: list[pa.Table], keys: list[str]) -> pa.Table:
+    return grouped_count(pa.concat_tables(parts), keys, ("count", "sum"))
 
 
 def margin_counts(run: Path) -> pd.DataFrame:
@@ -76,9 +80,50 @@ def margin_counts(run: Path) -> pd.DataFrame:
     parts: list[pa.Table] = []
     for batch in _batches(files):
         if batch.num_rows:
-            parts.append(_decoded(_grouped(pa.Table.from_batches([batch]), ([], "count_all"))))
+            parts.append(_decoded(grouped_count(pa.Table.from_batches([batch]), COUNT_KEYS)))
         if len(parts) >= MERGE_EVERY:
-            parts = [_merge(parts)]
-    counts = _merge(parts).to_pandas() if parts else pd.DataFrame(columns=COUNT_KEYS + ["count"])
+            parts = [merged_counts(parts, COUNT_KEYS)]
+    counts = merged_counts(parts, COUNT_KEYS).to_pandas() if parts else pd.DataFrame(columns=COUNT_KEYS + ["count"])
     counts.attrs["schema_version_read"] = min(versions)
     return counts
+
+
+BatchReader = Callable[[list[str]], Iterator[pa.Table]]
+
+
+def step_reader(source: pa.Table | pd.DataFrame | list[Path]) -> BatchReader:
+    """A re-readable stream over a steps table: `read(columns)` yields record batches (as
+    tables) of those of `columns` the table has. Files are read a batch at a time, older schema
+    versions upgraded batch by batch; a table in memory is sliced, not copied."""
+    if isinstance(source, pd.DataFrame):
+        source = pa.Table.from_pandas(source, preserve_index=False)
+    if isinstance(source, pa.Table):
+        table = source
+
+        def read_table(columns: list[str]) -> Iterator[pa.Table]:
+            present = [c for c in columns if c in table.schema.names]
+            for batch in table.select(present).to_batches(max_chunksize=BATCH_ROWS):
+                yield pa.Table.from_batches([batch])
+
+        return read_table
+    files = list(source)
+    versions = {}
+    for path in files:
+        try:
+            versions[path] = (readable_version(path, pq.read_schema(path)), pq.read_schema(path).names)
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise UserError(f"{path} is not a readable Parquet file ({exc})") from exc
+
+    def read_files(columns: list[str]) -> Iterator[pa.Table]:
+        for path in files:
+            version, names = versions[path]
+            present = [c for c in columns if c in names]
+            reader = pq.ParquetFile(path)
+            for batch in reader.iter_batches(batch_size=BATCH_ROWS, columns=present, use_threads=True):
+                table = pa.Table.from_batches([batch])
+                if version != SCHEMA_VERSION:  # an older run: the columns it lacked, as the upgrade fills them
+                    table = upgrade(table, version, STEPS_SCHEMA)
+                    table = table.select([c for c in columns if c in table.schema.names])
+                yield table
+
+    return read_files
