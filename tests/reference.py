@@ -5,10 +5,13 @@ suite checks the streamed figures against these, bitwise."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 
 from mgbench.analysis import gate
+from mgbench.runs import rundir
+from mgbench.runs.schema import STEPS_SCHEMA, read_table, schema_read_from
 
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 # The flips summary's keys computed from the steps table (step_figures adds steps_by_batch_size).
@@ -28,6 +31,14 @@ SUMMARY_KEYS = [
 
 def _finite(value):
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def whole_steps(run: Path) -> pd.DataFrame:
+    """The steps table of a run directory (sharded or not) or of a steps.parquet path, whole, in pandas."""
+    table = rundir.read_run_table(run, "steps", STEPS_SCHEMA) if run.is_dir() else read_table(run, STEPS_SCHEMA)
+    steps = table.to_pandas()
+    steps.attrs["schema_version_read"] = schema_read_from(table)
+    return steps
 
 
 def margin_quantiles(steps: pd.DataFrame, column: str) -> dict[str, dict]:

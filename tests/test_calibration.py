@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+import reference
 from typer.testing import CliRunner
 
 from mgbench.analysis import calibration
@@ -287,11 +288,11 @@ def test_streamed_counts_equal_the_in_memory_table_and_give_the_known_tau(tmp_pa
     frame = grid_steps(20_000)
     run = write_run(tmp_path / "run", frame)
     streamed = scan.margin_counts(run)
-    in_memory = calibration.counts_of(rundir.read_steps(run))
+    in_memory = calibration.counts_of(reference.whole_steps(run))
     pd.testing.assert_frame_equal(sorted_counts(streamed), sorted_counts(in_memory), check_dtype=False)
     options = CalibrateOptions(calibration.SafetyRule("x", 1.0))
     from_stream, curve_stream = calibrate(streamed, {}, options, ["s"])
-    from_table, curve_table = calibrate(rundir.read_steps(run), {}, options, ["s"])
+    from_table, curve_table = calibrate(reference.whole_steps(run), {}, options, ["s"])
     assert from_stream == from_table
     pd.testing.assert_frame_equal(curve_stream, curve_table)
     # Independent answer: the next grid value above the largest flip margin (0.25), and the share
@@ -308,5 +309,5 @@ def test_streamed_counts_of_a_real_old_run_equal_its_upgraded_table():
     run = Path(__file__).parent / "fixtures" / "v1-flips-run"
     streamed = scan.margin_counts(run)
     assert streamed.attrs["schema_version_read"] == "1"
-    in_memory = calibration.counts_of(rundir.read_steps(run))
+    in_memory = calibration.counts_of(reference.whole_steps(run))
     pd.testing.assert_frame_equal(sorted_counts(streamed), sorted_counts(in_memory), check_dtype=False)

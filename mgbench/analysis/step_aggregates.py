@@ -38,7 +38,7 @@ class StepAggregates:
     drift_steps_differing: int  # ... of which the drift is above zero
     max_logprob_drift: float | None
     kv_overall_median: float  # NaN without measured K/V
-    kv_before_flips: pd.DataFrame  # offset, flips, kv_delta_median
+    kv_before_flips: pd.DataFrame | None  # offset, flips, kv_delta_median (None: figures not asked for)
     sequences: pd.DataFrame | None  # per SEQUENCE_KEYS: steps, first_step, last_step (None: no request_id)
     flip_steps: pd.DataFrame | None  # SEQUENCE_KEYS + step of every flipped step
 
@@ -133,18 +133,29 @@ FIRST_PASS = [
 ]
 
 
-def aggregate_steps(read: BatchReader, window: int = KV_WINDOW) -> StepAggregates:
-    """The aggregates of the steps table `read` streams (see runs.scan.step_reader)."""
+def aggregate_steps(read: BatchReader, figures: bool = True, pairs: bool = True) -> StepAggregates:
+    """The aggregates of the steps table `read` streams (see runs.scan.step_reader): those of a
+    flips summary (`figures`: margin counts, drift, K/V, which take a second pass) and those the
+    baseline test pairs (`pairs`: per-sequence step ranges and flipped steps). What is not asked
+    for is left empty."""
     rows, drift_steps, drift_differing, drift_max = 0, 0, 0, None
     margin_parts, sequence_parts, flip_parts, flip_sequence_parts = [], [], [], []
     methods: set[str] = set()
     median = ExactMedian()
     extent = [0, 0, 0]  # largest batch_id, row, step
-    for batch in read(FIRST_PASS):
+    columns = FIRST_PASS if figures else ["flipped", *SEQUENCE_KEYS, "step"]
+    for batch in read(columns):
         if not batch.num_rows:
             continue
         rows += batch.num_rows
         flipped = _numpy(batch, "flipped").astype(bool)
+        if pairs and "request_id" in batch.schema.names:
+            sequence_parts.append(_sequence_ranges(batch))
+            flip_sequence_parts.append(batch.filter(pa.array(flipped)).select(SEQUENCE_KEYS + ["step"]))
+            if len(sequence_parts) >= MERGE_EVERY:
+                sequence_parts = [_merged_sequences(sequence_parts)]
+        if not figures:
+            continue
         margin_parts.append(grouped_count(batch.select(MARGIN_KEYS), MARGIN_KEYS))
         if len(margin_parts) >= MERGE_EVERY:
             margin_parts = [merged_counts(margin_parts, MARGIN_KEYS)]
@@ -161,15 +172,10 @@ def aggregate_steps(read: BatchReader, window: int = KV_WINDOW) -> StepAggregate
         for index, name in enumerate(("batch_id", "row", "step")):
             extent[index] = max(extent[index], int(pc.max(batch[name]).as_py()))
         flip_parts.append(batch.filter(pa.array(flipped)).select(["batch_id", "row", "step"]))
-        if "request_id" in batch.schema.names:
-            sequence_parts.append(_sequence_ranges(batch))
-            flip_sequence_parts.append(batch.filter(pa.array(flipped)).select(SEQUENCE_KEYS + ["step"]))
-            if len(sequence_parts) >= MERGE_EVERY:
-                sequence_parts = [_merged_sequences(sequence_parts)]
     if not margin_parts:  # no steps: the empty counts, typed as the table's columns
         margin_parts = [grouped_count(STEPS_SCHEMA.empty_table().select(MARGIN_KEYS), MARGIN_KEYS)]
     counts = merged_counts(margin_parts, MARGIN_KEYS).to_pandas()
-    kv_profile = _kv_before_flips(read, flip_parts, median, extent, window)
+    kv_profile = _kv_before_flips(read, flip_parts, median, extent, KV_WINDOW) if figures else None
     sequences = flip_steps = None
     if sequence_parts:
         sequences = _merged_sequences(sequence_parts).to_pandas()
@@ -296,8 +302,9 @@ def flips_count(aggregates: StepAggregates) -> int:
     return int(counts.loc[counts["flipped"].astype(bool), "count"].sum())
 
 
-def aggregate(source) -> StepAggregates:
-    """The aggregates of a steps table: its Parquet files (list of paths), an Arrow table or a DataFrame."""
+def aggregate(source, figures: bool = True, pairs: bool = True) -> StepAggregates:
+    """The aggregates of a steps table: its Parquet files (list of paths), an Arrow table or a
+    DataFrame (see aggregate_steps for `figures` and `pairs`)."""
     from mgbench.runs.scan import step_reader
 
-    return aggregate_steps(step_reader(source))
+    return aggregate_steps(step_reader(source), figures, pairs)

@@ -114,7 +114,7 @@ def record_flips(
     def summarize_run(tables: dict, records: list[dict]) -> dict:
         """The steps table (Arrow, or a sharded run's part files) streamed once into the aggregates
         that the summary and the gate share; the sequences (one row each) read whole."""
-        steps = aggregate(tables["steps"])
+        steps = aggregate(tables["steps"], pairs=run.has_baseline)
         summary = summarize(run, steps, tables["sequences"].to_pandas(), records)
         return with_gate(run, summary, {"steps": steps, "sequences": tables["sequences"]})
 

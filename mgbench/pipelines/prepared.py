@@ -33,6 +33,10 @@ class PreparedRun:
     engine_label: str | None = None  # set once the engine is open (summaries name it)
     inputs: list[dict] = field(default_factory=list)  # recorded runs read (a --baseline), for the manifest
 
+    @property
+    def has_baseline(self) -> bool:
+        return any(i["role"] == "baseline" for i in self.inputs)
+
     def wanted(self, done: set[int]) -> Callable[[int], bool]:
         """Groups still to decode here: this shard's, less those an interrupted run committed."""
         return lambda group: group in self.owned and group not in done

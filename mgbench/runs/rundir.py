@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from mgbench import SCHEMA_VERSION, __version__
 from mgbench.errors import UserError
 from mgbench.runs.machine import kernel_environment
-from mgbench.runs.schema import STEPS_SCHEMA, read_table, schema_read_from
+from mgbench.runs.schema import read_table
 
 
 def shard_part(run: Path, table: str, shard) -> Path:
@@ -115,19 +115,6 @@ def read_run_table(run: Path, name: str, expected: pa.Schema) -> pa.Table:
     merged = pa.concat_tables([read_table(path, expected) for path in files])
     keys = [(key, "ascending") for key in CANONICAL_ORDER if key in merged.schema.names]
     return merged.sort_by(keys) if keys else merged
-
-
-def read_steps(run: Path):
-    """The steps table (pandas) of a run directory (sharded or not) or of a steps.parquet path."""
-    if run.is_dir():
-        table = read_run_table(run, "steps", STEPS_SCHEMA)
-    elif not run.exists():
-        raise UserError(f"{run} does not exist")
-    else:
-        table = read_table(run, STEPS_SCHEMA)
-    steps = table.to_pandas()
-    steps.attrs["schema_version_read"] = schema_read_from(table)
-    return steps
 
 
 def git_revision() -> str:

@@ -34,13 +34,23 @@ def steps_files(run: Path) -> list[Path]:
     return rundir.table_files(run, "steps") if run.is_dir() else [run]
 
 
-def _batches(files: list[Path]):
-    """Record batches of the six columns, one file after another. A file is read sequentially
-    (a dataset scanner's read-ahead buffered most of a large file), and the string keys are read
-    dictionary-encoded (grouping on them is then a grouping on small integers)."""
+def row_groups(path: Path, columns: list[str], read_dictionary: tuple[str, ...] = ()) -> Iterator[pa.Table]:
+    """A Parquet file's `columns`, one row group at a time, sliced into tables of at most
+    BATCH_ROWS rows: memory is bounded by the largest row group (pyarrow writes at most 1 Mi rows
+    per group by default). iter_batches buffered more as a file grew (measured over a 50 M-row
+    steps file, 11 columns: 955 MB peak against 361 MB row group by row group, and slower)."""
+    reader = pq.ParquetFile(path, read_dictionary=list(read_dictionary) or None)
+    for index in range(reader.metadata.num_row_groups):
+        group = reader.read_row_group(index, columns=columns, use_threads=True)
+        for start in range(0, group.num_rows, BATCH_ROWS):
+            yield group.slice(start, BATCH_ROWS)
+
+
+def _batches(files: list[Path]) -> Iterator[pa.Table]:
+    """The six columns, one file after another; the string keys read dictionary-encoded
+    (grouping on them is then a grouping on small integers)."""
     for path in files:
-        reader = pq.ParquetFile(path, read_dictionary=["model", "dataset"])
-        yield from reader.iter_batches(batch_size=BATCH_ROWS, columns=COUNT_KEYS, use_threads=True)
+        yield from row_groups(path, COUNT_KEYS, ("model", "dataset"))
 
 
 def _decoded(table: pa.Table) -> pa.Table:
@@ -80,7 +90,7 @@ def margin_counts(run: Path) -> pd.DataFrame:
     parts: list[pa.Table] = []
     for batch in _batches(files):
         if batch.num_rows:
-            parts.append(_decoded(grouped_count(pa.Table.from_batches([batch]), COUNT_KEYS)))
+            parts.append(_decoded(grouped_count(batch, COUNT_KEYS)))
         if len(parts) >= MERGE_EVERY:
             parts = [merged_counts(parts, COUNT_KEYS)]
     counts = merged_counts(parts, COUNT_KEYS).to_pandas() if parts else pd.DataFrame(columns=COUNT_KEYS + ["count"])
@@ -110,17 +120,16 @@ def step_reader(source: pa.Table | pd.DataFrame | list[Path]) -> BatchReader:
     versions = {}
     for path in files:
         try:
-            versions[path] = (readable_version(path, pq.read_schema(path)), pq.read_schema(path).names)
+            schema = pq.read_schema(path)
         except (OSError, pa.ArrowInvalid) as exc:
             raise UserError(f"{path} is not a readable Parquet file ({exc})") from exc
+        versions[path] = (readable_version(path, schema), schema.names)
 
     def read_files(columns: list[str]) -> Iterator[pa.Table]:
         for path in files:
             version, names = versions[path]
             present = [c for c in columns if c in names]
-            reader = pq.ParquetFile(path)
-            for batch in reader.iter_batches(batch_size=BATCH_ROWS, columns=present, use_threads=True):
-                table = pa.Table.from_batches([batch])
+            for table in row_groups(path, present):
                 if version != SCHEMA_VERSION:  # an older run: the columns it lacked, as the upgrade fills them
                     table = upgrade(table, version, STEPS_SCHEMA)
                     table = table.select([c for c in columns if c in table.schema.names])

@@ -168,7 +168,7 @@ def upgrade(table: pa.Table, version: str, expected: pa.Schema) -> pa.Table:
 
 
 def schema_read_from(table) -> str:
-    """The schema version a table (Arrow, or pandas from `read_steps`) was written with."""
+    """The schema version a table (Arrow, or pandas carrying attrs["schema_version_read"]) was written with."""
     if hasattr(table, "attrs"):
         return table.attrs.get("schema_version_read", SCHEMA_VERSION)
     metadata = table.schema.metadata or {}
