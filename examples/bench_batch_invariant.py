@@ -4,7 +4,8 @@ For each batch size: the same requests (the first B of one seeded sample), prefi
 and shared; free-running decode steps timed plain and in the batch-invariant mode (median of
 --repeats, after a warm-up); sequence determinism of both against solo decoding; and, in the mode,
 the teacher-forced logits of every row and step compared with solo bitwise. The plan comes from
-the probe at that batch size (what `--batch-invariant` runs), its attention form printed.
+the probe at that batch size (what `--batch-invariant` runs): its attention form and the
+row-wise modules it runs in an exact form (those that varied with the row count) are printed.
 
     .venv/bin/python examples/bench_batch_invariant.py --batch-sizes 8,32,64 --max-new-tokens 32
 """
@@ -38,6 +39,15 @@ def determinism(tokens: list[list[int]], solo: list[list[int]]) -> float:
     return sum(t == s for t, s in zip(tokens, solo)) / len(solo)
 
 
+def modules_changed(plan) -> str:
+    """The varying row-wise modules and their exact form, by module kind ("mlp.down_proj x30: per row")."""
+    kinds: dict[tuple[str, str], int] = {}
+    for name, form in plan.forms.items():
+        kind = ".".join(part for part in name.split(".") if not part.isdigit()).removeprefix("model.layers.")
+        kinds[(kind, form.label)] = kinds.get((kind, form.label), 0) + 1
+    return "; ".join(f"{kind} x{count}: {label}" for (kind, label), count in sorted(kinds.items())) or "none"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -60,6 +70,7 @@ def main() -> None:
     for column in (
         "batch",
         "attention form",
+        "row-wise modules changed",
         "plain tok/s",
         "invariant tok/s",
         "decode time",
@@ -93,6 +104,7 @@ def main() -> None:
             table.add_row(
                 str(size),
                 plan.attention.label,
+                modules_changed(plan),
                 f"{generated / plain_s:.1f}",
                 f"{sum(len(t) - 1 for t in invariant_tokens) / invariant_s:.1f}",
                 f"{invariant_s / plain_s - 1:+.1%} ({plain_s:.2f} s vs {invariant_s:.2f} s)",
