@@ -200,6 +200,24 @@ def test_incomplete_sharded_run_is_refused_by_readers(tiny_model_dir, tmp_path):
     assert mismatched.exit_code == 2 and "shards of a different run" in mismatched.stderr
 
 
+def test_sharded_run_gated_on_a_baseline_streams_the_shards_parts(reference, tiny_model_dir, tmp_path):
+    """The last shard computes the whole run's summary and the --baseline test from the shards'
+    part files (streamed, not merged): the same figures as the one-process run, and against that
+    run as its baseline (negative control by construction: the same audit) every step pairs, p = 1."""
+    out = tmp_path / "sharded"
+    invoke(flips_args(tiny_model_dir, out, "--shard", "1/2", "--baseline", str(reference)))
+    assert not (out / "summary.json").exists()
+    invoke(flips_args(tiny_model_dir, out, "--shard", "0/2", "--baseline", str(reference)))
+    assert sorted(p.name for p in (out / "steps").iterdir()) == ["part-0-of-2.parquet", "part-1-of-2.parquet"]
+    one, merged = (json.loads((run / "summary.json").read_text()) for run in (reference, out))
+    steps = len(pq.read_table(reference / "steps.parquet"))
+    tested = merged.pop("gate")
+    assert tested["passed"] and tested["baseline"]["tests"]["flip_rate"]["pairs"] == steps == one["steps"]
+    assert tested["baseline"]["tests"]["flip_rate"]["p_value"] == 1.0
+    timing = {"solo_tokens_per_s", "batched_tokens_per_s", "batched_tokens_per_s_by_batch_size"}
+    assert {k: v for k, v in one.items() if k not in timing} == {k: v for k, v in merged.items() if k not in timing}
+
+
 def test_verify_shards_merge_into_the_one_process_run(tiny_model_dir, tmp_path):
     invoke(verify_args(tiny_model_dir, tmp_path / "one"))
     for shard in ("1/2", "0/2"):
