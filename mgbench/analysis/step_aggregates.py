@@ -149,9 +149,10 @@ def aggregate_steps(read: BatchReader, figures: bool = True, pairs: bool = True)
             continue
         rows += batch.num_rows
         flipped = _numpy(batch, "flipped").astype(bool)
+        flipped_rows = batch.filter(pa.array(flipped))
         if pairs and "request_id" in batch.schema.names:
             sequence_parts.append(_sequence_ranges(batch))
-            flip_sequence_parts.append(batch.filter(pa.array(flipped)).select(SEQUENCE_KEYS + ["step"]))
+            flip_sequence_parts.append(flipped_rows.select(SEQUENCE_KEYS + ["step"]))
             if len(sequence_parts) >= MERGE_EVERY:
                 sequence_parts = [_merged_sequences(sequence_parts)]
         if not figures:
@@ -171,7 +172,7 @@ def aggregate_steps(read: BatchReader, figures: bool = True, pairs: bool = True)
         median.first_pass(_numpy(batch, "kv_delta_mean"))
         for index, name in enumerate(("batch_id", "row", "step")):
             extent[index] = max(extent[index], int(pc.max(batch[name]).as_py()))
-        flip_parts.append(batch.filter(pa.array(flipped)).select(["batch_id", "row", "step"]))
+        flip_parts.append(flipped_rows.select(["batch_id", "row", "step"]))
     if not margin_parts:  # no steps: the empty counts, typed as the table's columns
         margin_parts = [grouped_count(STEPS_SCHEMA.empty_table().select(MARGIN_KEYS), MARGIN_KEYS)]
     counts = merged_counts(margin_parts, MARGIN_KEYS).to_pandas()

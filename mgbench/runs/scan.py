@@ -41,9 +41,26 @@ def row_groups(path: Path, columns: list[str], read_dictionary: tuple[str, ...] 
     steps file, 11 columns: 955 MB peak against 361 MB row group by row group, and slower)."""
     reader = pq.ParquetFile(path, read_dictionary=list(read_dictionary) or None)
     for index in range(reader.metadata.num_row_groups):
-        group = reader.read_row_group(index, columns=columns, use_threads=True)
-        for start in range(0, group.num_rows, BATCH_ROWS):
-            yield group.slice(start, BATCH_ROWS)
+        yield from _slices(reader.read_row_group(index, columns=columns, use_threads=True))
+
+
+def _slices(table: pa.Table) -> Iterator[pa.Table]:
+    """`table` as zero-copy slices of at most BATCH_ROWS rows."""
+    for start in range(0, table.num_rows, BATCH_ROWS):
+        yield table.slice(start, BATCH_ROWS)
+
+
+def file_schemas(files: list[Path]) -> dict[Path, tuple[str, list[str]]]:
+    """Per Parquet file: the schema version it was written with and its column names, read from
+    its footer; one clear line for a file that is not readable, foreign or newer."""
+    schemas = {}
+    for path in files:
+        try:
+            schema = pq.read_schema(path)
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise UserError(f"{path} is not a readable Parquet file ({exc})") from exc
+        schemas[path] = (readable_version(path, schema), schema.names)
+    return schemas
 
 
 def _batches(files: list[Path]) -> Iterator[pa.Table]:
@@ -77,14 +94,9 @@ def margin_counts(run: Path) -> pd.DataFrame:
     """Counts of steps per COUNT_KEYS over a run directory (or steps.parquet), streamed; its
     `attrs["schema_version_read"]` is the version the files were written with."""
     files = steps_files(run)
-    versions = set()
-    for path in files:
-        try:
-            schema = pq.read_schema(path)
-        except (OSError, pa.ArrowInvalid) as exc:
-            raise UserError(f"{path} is not a readable Parquet file ({exc})") from exc
-        versions.add(readable_version(path, schema))
-        missing = [name for name in COUNT_KEYS if name not in schema.names]
+    schemas = file_schemas(files)
+    for path, (_, names) in schemas.items():
+        missing = [name for name in COUNT_KEYS if name not in names]
         if missing:
             raise UserError(f"{path}: steps table lacks columns {', '.join(missing)}")
     parts: list[pa.Table] = []
@@ -94,7 +106,7 @@ def margin_counts(run: Path) -> pd.DataFrame:
         if len(parts) >= MERGE_EVERY:
             parts = [merged_counts(parts, COUNT_KEYS)]
     counts = merged_counts(parts, COUNT_KEYS).to_pandas() if parts else pd.DataFrame(columns=COUNT_KEYS + ["count"])
-    counts.attrs["schema_version_read"] = min(versions)
+    counts.attrs["schema_version_read"] = min(version for version, _ in schemas.values())
     return counts
 
 
@@ -111,23 +123,13 @@ def step_reader(source: pa.Table | pd.DataFrame | list[Path]) -> BatchReader:
         table = source
 
         def read_table(columns: list[str]) -> Iterator[pa.Table]:
-            present = [c for c in columns if c in table.schema.names]
-            for batch in table.select(present).to_batches(max_chunksize=BATCH_ROWS):
-                yield pa.Table.from_batches([batch])
+            yield from _slices(table.select([c for c in columns if c in table.schema.names]))
 
         return read_table
-    files = list(source)
-    versions = {}
-    for path in files:
-        try:
-            schema = pq.read_schema(path)
-        except (OSError, pa.ArrowInvalid) as exc:
-            raise UserError(f"{path} is not a readable Parquet file ({exc})") from exc
-        versions[path] = (readable_version(path, schema), schema.names)
+    schemas = file_schemas(list(source))
 
     def read_files(columns: list[str]) -> Iterator[pa.Table]:
-        for path in files:
-            version, names = versions[path]
+        for path, (version, names) in schemas.items():
             present = [c for c in columns if c in names]
             for table in row_groups(path, present):
                 if version != SCHEMA_VERSION:  # an older run: the columns it lacked, as the upgrade fills them
