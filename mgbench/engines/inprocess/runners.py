@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mgbench.engines.inprocess.cache import LayerKV, cache_layers, clone_layers, columns_of_row
-from mgbench.engines.inprocess.decode import RowPrefill, assemble_prefilled, decode_step, prefill_alone, prefill_batched
+from mgbench.engines.inprocess.cache import LayerKV
+from mgbench.engines.inprocess.decode import RowPrefill
+from mgbench.engines.inprocess.kernels import STOCK, Kernels, PaddedDecoder, row_prefills  # noqa: F401 (re-export)
 from mgbench.engines.inprocess.metrics import kv_relative_delta, margins, step_metrics
 from mgbench.engines.inprocess.policies import NoVerification, Policy
 from mgbench.engines.inprocess.step import StepContext
@@ -70,55 +71,34 @@ class FreeRunResult:
     decode_seconds: float
 
 
-def run_solo(model, prompt: torch.Tensor, max_new_tokens: int, eos_ids: set[int]) -> SoloResult:
-    """Greedy decoding of one request alone: batch size 1, no padding."""
-    logits, cache = prefill_alone(model, prompt)
-    prefill = clone_layers(cache_layers(cache))
-    all_logits, tokens = [logits], [int(logits.argmax())]
-    mask = torch.ones((1, len(prompt)), dtype=torch.long, device=prompt.device)
+def run_solo(model, prompt: torch.Tensor, max_new_tokens: int, eos_ids: set[int], kernels: Kernels = STOCK) -> SoloResult:
+    """Greedy decoding of one request alone: batch size 1, no padding, through `kernels`."""
+    decoder = kernels.solo(model, prompt, max_new_tokens)
+    all_logits, tokens = [decoder.logits[0]], [int(decoder.logits[0].argmax())]
     timer = DecodeTimer(prompt.device)
     for step in range(1, max_new_tokens):
         if tokens[-1] in eos_ids:
             break
         token = torch.tensor([tokens[-1]], device=prompt.device)
         position = torch.tensor([len(prompt) + step - 1], device=prompt.device)
-        logits, mask = decode_step(model, cache, token, position, mask)
+        logits = decoder.step(token, position)
         all_logits.append(logits[0])
         tokens.append(int(logits[0].argmax()))
     seconds = timer.seconds()
-    kv = columns_of_row(cache, 0, len(prompt) - 1, len(tokens))
-    return SoloResult(torch.tensor(tokens, device=prompt.device), torch.stack(all_logits), prefill, kv, seconds)
-
-
-def row_prefills(model, prompts, known: list | None = None) -> list[RowPrefill]:
-    """Each row's prefill alone, reusing the ones already computed (solo runs keep theirs)."""
-    known = known or [None] * len(prompts)
-    rows = []
-    for prompt, prefill in zip(prompts, known):
-        if prefill is None:
-            logits, cache = prefill_alone(model, prompt)
-            prefill = RowPrefill(logits, clone_layers(cache_layers(cache)))
-        rows.append(prefill)
-    return rows
+    kv = decoder.columns(0, len(prompt) - 1, len(tokens))
+    prefill = decoder.prefill
+    return SoloResult(torch.tensor(tokens, device=prompt.device), torch.stack(all_logits), prefill.layers, kv, seconds)
 
 
 def prefill_for_batch(model, prompts, prefills: list[RowPrefill] | None, prefill: str, pad_id: int):
-    """Batched cache after the prompts: (first-step logits [B, vocab], cache, mask, pad_lens).
-
-    `alone` assembles the rows' prefills computed at batch size 1 (the solo runs' own: a prefill
-    alone without padding is the same computation in both runs; serving engines also prefill
-    each request on arrival); `batched` runs one left-padded prefill.
-    """
-    if prefill == "alone":
-        prefills = row_prefills(model, prompts, prefills)
-        cache, mask, pads = assemble_prefilled(model, [p.layers for p in prefills])
-        return torch.stack([p.logits for p in prefills]), cache, mask, pads
-    if prefill == "batched":
-        return prefill_batched(model, prompts, pad_id)
-    raise ValueError(f"unknown prefill mode {prefill!r}")
+    """Batched stock cache after the prompts: (first-step logits [B, vocab], cache, mask, pad_lens)."""
+    decoder = PaddedDecoder(model, prompts, prefills, prefill, pad_id)
+    return decoder.logits, decoder.cache, decoder.mask, decoder.pads
 
 
-def run_teacher_forced(model, prompts, solos: list[SoloResult], prefill: str, pad_id: int) -> TeacherForcedResult:
+def run_teacher_forced(
+    model, prompts, solos: list[SoloResult], prefill: str, pad_id: int, kernels: Kernels = STOCK
+) -> TeacherForcedResult:
     """Batched decoding fed the solo token at every step, so prefixes stay identical."""
     lengths = [len(s.tokens) for s in solos]
     steps = max(lengths)
@@ -133,23 +113,23 @@ def run_teacher_forced(model, prompts, solos: list[SoloResult], prefill: str, pa
         solo_logits[row, : lengths[row]] = solo.logits
     prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
 
-    logits, cache, mask, pads = prefill_for_batch(model, prompts, [s.row_prefill for s in solos], prefill, pad_id)
-    per_step = [step_metrics(logits, solo_logits[:, 0])]
+    decoder = kernels.batch(model, prompts, [s.row_prefill for s in solos], prefill, pad_id, steps)
+    per_step = [step_metrics(decoder.logits, solo_logits[:, 0])]
     for step in range(1, steps):
-        logits, mask = decode_step(model, cache, solo_tokens[:, step - 1], prompt_lens + step - 1, mask)
+        logits = decoder.step(solo_tokens[:, step - 1], prompt_lens + step - 1)
         per_step.append(step_metrics(logits, solo_logits[:, step]))
 
     columns = {name: torch.stack([m[name] for m in per_step], dim=1).cpu().numpy() for name in per_step[0]}
     rows = []
     for row, solo in enumerate(solos):
         n = lengths[row]
-        batched_kv = columns_of_row(cache, row, pads[row] + len(prompts[row]) - 1, n)
+        batched_kv = decoder.columns(row, len(prompts[row]) - 1, n)
         kv_mean, kv_max = kv_relative_delta(batched_kv, solo.kv_columns)
         record = {name: values[row, :n] for name, values in columns.items()}
         record["kv_delta_mean"] = kv_mean.cpu().numpy()
         record["kv_delta_max"] = kv_max.cpu().numpy()
         rows.append(record)
-    return TeacherForcedResult(pads, rows)
+    return TeacherForcedResult(decoder.pads, rows)
 
 
 def run_free(
@@ -161,6 +141,7 @@ def run_free(
     max_new_tokens: int,
     eos_ids: set[int],
     policy: Policy | None = None,
+    kernels: Kernels = STOCK,
 ) -> FreeRunResult:
     """Free-running batched greedy decoding: each row continues from its own emitted tokens.
 
@@ -173,7 +154,8 @@ def run_free(
     prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
 
-    logits, cache, mask, pads = prefill_for_batch(model, prompts, prefills, prefill, pad_id)
+    decoder = kernels.batch(model, prompts, prefills, prefill, pad_id, max_new_tokens)
+    logits, cache, pads = decoder.logits, decoder.cache, decoder.pads
     active = torch.ones(batch, dtype=torch.bool, device=device)
     first = NoVerification() if prefill == "alone" else policy
     decision = first.decide(StepContext(0, logits, cache, pads, active, None, None, []))
@@ -186,7 +168,7 @@ def run_free(
             break
         fed = torch.where(active, emitted[-1], torch.full_like(emitted[-1], pad_id))
         positions = prompt_lens + step - 1
-        logits, mask = decode_step(model, cache, fed, positions, mask)
+        logits = decoder.step(fed, positions)
         decision = policy.decide(StepContext(step, logits, cache, pads, active, fed, positions, emitted))
         emitted.append(decision.tokens)
         history.append(

@@ -1,0 +1,94 @@
+"""A start-aligned KV cache for the fixed-order kernels: each row's keys at positions 0..len-1.
+
+No left padding: a row's token at position p is written at p (gpt-fast's `k_out[:, :, input_pos] =
+k_val`, with a position per row), so a row's keys sit where they sit when it decodes alone, and
+the fixed-order attention reduces them in the same chunks from position 0 whatever the batch.
+The buffer is allocated once per batch, chunk-major, [chunks, batch, kv_heads, chunk, head_dim]
+per layer, so the keys of the first n chunks are one contiguous block: the attention's per-chunk
+products run as one batched matmul over views, with no per-step copy or concatenation.
+
+Keys and values are stored in float32 (the bf16 values exactly, widened once when written), the
+precision the fixed-order attention computes in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mgbench.engines.inprocess.cache import LayerKV
+
+
+def chunks_for(positions: int, chunk: int) -> int:
+    """How many chunks hold `positions` keys."""
+    return -(-positions // chunk)
+
+
+class StartAlignedCache:
+    """The cache object the model's attention layers call `update` on during a fixed-order step."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int, chunk: int, device):
+        self.chunk, self.batch = chunk, batch
+        shape = (chunks_for(capacity, chunk), batch, kv_heads, chunk, head_dim)
+        self.keys = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(layers)]
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # keys written per row
+        self.positions: torch.Tensor | None = None  # [batch, q] positions of the tokens being fed
+        self._rows = torch.arange(batch, device=device)
+
+    @classmethod
+    def from_prefills(cls, rows: list[LayerKV], extra: int, chunk: int) -> "StartAlignedCache":
+        """The rows' prefills (each computed alone, [1, kv_heads, len, head_dim] per layer) at
+        positions 0..len-1, with room for `extra` more tokens per row."""
+        first = rows[0][0][0]
+        lengths = [layers[0][0].shape[-2] for layers in rows]
+        cache = cls(len(rows[0]), len(rows), first.shape[1], first.shape[-1], max(lengths) + extra, chunk, first.device)
+        for row, layers in enumerate(rows):
+            for index, (k, v) in enumerate(layers):
+                cache._write_span(index, row, k[0], v[0])
+        cache.lengths = torch.tensor(lengths, device=first.device)
+        return cache
+
+    def _write_span(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys [kv_heads, n, head_dim] of one row at positions 0..n-1."""
+        n, c = k.shape[1], self.chunk
+        for start in range(0, n, c):
+            stop = min(n, start + c)
+            self.keys[layer][start // c, row, :, : stop - start] = k[:, start:stop].float()
+            self.values[layer][start // c, row, :, : stop - start] = v[:, start:stop].float()
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[0] * self.chunk
+
+    def feed(self, positions: torch.Tensor) -> None:
+        """Positions [batch] or [batch, q] of the tokens the next forward writes and attends from."""
+        positions = positions.view(self.batch, -1)
+        if int(positions.max()) >= self.capacity:
+            raise ValueError(f"position {int(positions.max())} is past the cache's capacity {self.capacity}")
+        self.positions = positions
+        self.lengths = torch.maximum(self.lengths, positions.max(-1).values + 1)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write the new keys [batch, kv_heads, q, head_dim] at each row's positions; return the
+        first n chunks of keys and values ([n, batch, kv_heads, chunk, head_dim] views), n covering
+        the furthest position fed."""
+        positions = self.positions
+        rows = self._rows.view(-1, 1).expand_as(positions)
+        chunk, offset = positions // self.chunk, positions % self.chunk
+        self.keys[layer_idx][chunk, rows, :, offset] = key.transpose(1, 2).float()
+        self.values[layer_idx][chunk, rows, :, offset] = value.transpose(1, 2).float()
+        n = chunks_for(int(positions.max()) + 1, self.chunk)
+        return self.keys[layer_idx][:n], self.values[layer_idx][:n]
+
+    def columns_of_row(self, row: int, start: int, count: int, dtype) -> torch.Tensor:
+        """K/V of positions start..start+count-1 of one row: [layers, 2, kv_heads, count, head_dim]
+        in `dtype` (the layout `cache.columns_of_row` gives for a left-padded cache)."""
+        positions = torch.arange(start, start + count, device=self._rows.device)
+        chunk, offset = positions // self.chunk, positions % self.chunk
+        return torch.stack(
+            [torch.stack((k[chunk, row, :, offset], v[chunk, row, :, offset])).transpose(1, 2) for k, v in self.layers]
+        ).to(dtype)
+
+    @property
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.keys, self.values))

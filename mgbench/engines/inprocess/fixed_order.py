@@ -1,0 +1,191 @@
+"""Fixed-order kernels: every decode forward, the solo reference's included, computes each row
+with reductions whose order is fixed by construction, so a row gets the same bits alone and in
+any batch. The reference is solo decoding through these same kernels (what vLLM's
+VLLM_BATCH_INVARIANT=1, SGLang's deterministic mode and Thinking Machines' batch_invariant_ops
+promise), not stock solo decoding (what `--batch-invariant` reproduces, at solo cost).
+
+- Attention over a start-aligned cache (`aligned_cache.py`): scores over head_dim only, as
+  fixed-shape per-item products (one [G, head_dim] x [head_dim, CHUNK] matmul per chunk of keys,
+  row and query), in float32; the softmax's max is order-free; its denominator and P@V are summed
+  within each chunk by fixed-shape ops, then across chunks by a sequential scan (cumsum) from
+  position 0, so keys past a row's end (masked, exact zeros) never reorder its sums. Queries of a
+  multi-token forward are folded into the items: each takes exactly a decode step's reductions.
+- Row-wise modules (linear layers, norms, ...) in a form the probe found exact on this machine:
+  as they are, "never one row" (a one-row input runs as two identical rows, where every row count
+  from 2 up equals two), or per row (the fallback, exact by construction).
+
+Prefill stays alone per request with the stock kernels: it is one call per request, the same in
+the solo and the batched run.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+from mgbench.engines.inprocess.aligned_cache import StartAlignedCache
+from mgbench.engines.inprocess.batch_invariant import wrapped_attention
+
+CHUNK = 64  # keys per reduction chunk (the probe checks it)
+LINEAR_FORMS = ("as-is", "never-one-row", "per-row")
+_CACHE: ContextVar[StartAlignedCache | None] = ContextVar("mgbench_fixed_order_cache", default=None)
+
+
+def fixed_order_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scaling: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """query [B, heads, q, head_dim]; keys, values [n, B, kv_heads, chunk, head_dim] float32
+    (start-aligned); positions [B, q] of the queries. Returns [B, q, heads, head_dim] in the
+    query's dtype. Key j is visible to a query at position p iff j <= p (and p - j < window)."""
+    n, batch, kv_heads, chunk, head_dim = keys.shape
+    heads, q = query.shape[1], query.shape[2]
+    group = heads // kv_heads
+    items = n * batch * q * kv_heads
+    qf = query.float().view(batch, kv_heads, group, q, head_dim).permute(0, 3, 1, 2, 4)  # [B, q, kvh, G, d]
+    qe = qf.unsqueeze(0).expand(n, batch, q, kv_heads, group, head_dim).reshape(items, group, head_dim)
+    ke = keys.unsqueeze(2).expand(n, batch, q, kv_heads, chunk, head_dim).reshape(items, chunk, head_dim)
+    ve = values.unsqueeze(2).expand(n, batch, q, kv_heads, chunk, head_dim).reshape(items, chunk, head_dim)
+    scores = torch.bmm(qe, ke.transpose(1, 2)).view(n, batch, q, kv_heads, group, chunk) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    key_pos = torch.arange(n * chunk, device=query.device).view(n, 1, 1, chunk)
+    query_pos = positions.view(1, batch, q, 1)
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= key_pos > query_pos - window
+    scores = scores.masked_fill(~visible.view(n, batch, q, 1, 1, chunk), float("-inf"))
+    top = scores.amax(dim=(0, 5), keepdim=True)  # a max is exact in any order
+    p = torch.exp(scores - top)
+    denominator = p.sum(-1).cumsum(0)[-1]  # per chunk, then chunk by chunk from position 0
+    pv = torch.bmm(p.view(items, group, chunk), ve).view(n, batch, q, kv_heads, group, head_dim)
+    out = pv.cumsum(0)[-1] / denominator.unsqueeze(-1)  # [B, q, kvh, G, d]
+    return out.to(query.dtype).reshape(batch, q, heads, head_dim)
+
+
+def _attention(base, module, query, key, value, attention_mask, **kwargs):
+    cache = _CACHE.get()
+    if cache is None:  # a prefill alone (or any forward without the aligned cache): stock kernels
+        return base(module, query, key, value, attention_mask, **kwargs)
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    out = fixed_order_attention(
+        query, key, value, cache.positions, kwargs.get("scaling") or module.scaling, window, kwargs.get("softcap")
+    )
+    return out, None
+
+
+# --- row-wise modules ------------------------------------------------------------------------
+
+
+def rows_of(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.dim() else 1
+
+
+def never_one_row(forward, x: torch.Tensor) -> torch.Tensor:
+    """A one-row input runs as two identical rows (materialized, not a stride-0 view)."""
+    if rows_of(x) != 1:
+        return forward(x)
+    flat = x.reshape(1, x.shape[-1])
+    return forward(torch.cat([flat, flat]))[:1].reshape(*x.shape[:-1], -1)
+
+
+def per_row(forward, x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] == 1:
+        return forward(x)
+    out = torch.cat([forward(flat[r : r + 1]) for r in range(flat.shape[0])])
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def run_in_form(forward, form: str, x: torch.Tensor) -> torch.Tensor:
+    if form == "never-one-row":
+        return never_one_row(forward, x)
+    if form == "per-row":
+        return per_row(forward, x)
+    return forward(x)
+
+
+@dataclass(frozen=True)
+class FixedOrderPlan:
+    """What the fixed-order mode runs on this machine (from `fixed_order_probe`).
+
+    `forms`: module name -> form for every row-wise module not run as is (linear layers
+    "never-one-row" where exact, anything the probe found varying "per-row")."""
+
+    chunk: int = CHUNK
+    forms: dict[str, str] = field(default_factory=dict)
+    fallbacks: tuple[str, ...] = ()  # lines saying which parts fell back to per row, and why
+
+    def describe(self) -> dict:
+        labels: dict[str, list[str]] = {}
+        for name, form in self.forms.items():
+            labels.setdefault(form, []).append(name)
+        return {
+            "attention": f"fixed-order (fp32, {self.chunk}-key chunks from position 0, start-aligned cache)",
+            "modules": {form: len(names) for form, names in labels.items()},
+            "fallbacks": list(self.fallbacks),
+        }
+
+
+def default_forms(model, linear_form: str = "never-one-row") -> dict[str, str]:
+    """Every linear layer (the lm_head included) in `linear_form`."""
+    if linear_form not in LINEAR_FORMS:
+        raise ValueError(f"unknown linear form {linear_form!r}")
+    if linear_form == "as-is":
+        return {}
+    return {name: linear_form for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+@contextmanager
+def module_forms(model, forms: dict[str, str]):
+    """Modules named in `forms` run in their form; their own forward comes back afterwards."""
+    named = dict(model.named_modules())
+    patched = []
+    try:
+        for name, form in forms.items():
+            module = named[name]
+            forward = type(module).forward.__get__(module)
+            module.forward = lambda x, forward=forward, form=form: run_in_form(forward, form, x)
+            patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            del module.forward  # the instance attribute shadowed the class's forward
+
+
+@contextmanager
+def fixed_order_kernels(model, plan: FixedOrderPlan):
+    """Inside the block, forwards fed through `fixed_order_step` run the fixed-order kernels;
+    a forward without the aligned cache (a prefill alone) runs the stock attention."""
+    with ExitStack() as stack:
+        stack.enter_context(wrapped_attention(model, "fixed_order", _attention))
+        stack.enter_context(module_forms(model, plan.forms))
+        yield
+
+
+def fixed_order_forward(model, cache: StartAlignedCache, tokens: torch.Tensor, positions: torch.Tensor):
+    """Feed tokens [B, q] at positions [B, q] through the model (inside `fixed_order_kernels`):
+    logits [B, q, vocab] of every fed position."""
+    cache.feed(positions)
+    token = _CACHE.set(cache)
+    try:
+        # A prepared 4D mask is passed through untouched, so transformers builds none; the
+        # attention masks by position itself.
+        placeholder = torch.ones((tokens.shape[0], 1, 1, 1), dtype=torch.bool, device=tokens.device)
+        out = model(input_ids=tokens, attention_mask=placeholder, position_ids=positions, cache=cache, use_cache=True)
+    finally:
+        _CACHE.reset(token)
+    return out.logits
+
+
+def fixed_order_step(model, cache: StartAlignedCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One decode step: one token per row [B] at its position [B]; logits [B, vocab]."""
+    return fixed_order_forward(model, cache, tokens.view(-1, 1), positions.view(-1, 1))[:, -1, :]
