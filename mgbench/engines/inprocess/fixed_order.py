@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mgbench.engines.inprocess.aligned_cache import StartAlignedCache
+from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, chunks_for
 from mgbench.engines.inprocess.batch_invariant import wrapped_attention
 
 CHUNK = 64  # keys per reduction chunk (the probe checks it)
@@ -71,15 +71,42 @@ def fixed_order_attention(
     return out.to(query.dtype).reshape(batch, q, heads, head_dim)
 
 
+def per_row_attention(query, keys, values, positions, *args) -> torch.Tensor:
+    """Each row alone over its own chunks (the call its solo decoding makes): the fallback form."""
+    rows = []
+    for r in range(query.shape[0]):
+        n = chunks_for(int(positions[r].max()) + 1, keys.shape[3])
+        rows.append(
+            fixed_order_attention(
+                query[r : r + 1], keys[:n, r : r + 1], values[:n, r : r + 1], positions[r : r + 1], *args
+            )
+        )
+    return torch.cat(rows)
+
+
+ATTENTION_FORMS = {"batched": "fixed_order_attention", "per-row": "per_row_attention"}
+
+
+def attention_in_form(form: str):
+    """The attention function of a form, looked up at call time (a test can plant a variant)."""
+    return globals()[ATTENTION_FORMS[form]]
+
+
+def attention_arguments(module, kwargs: dict) -> tuple:
+    """(scaling, sliding window, softcap) of an attention call, as the model's layer passes them."""
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    return kwargs.get("scaling") or module.scaling, window, kwargs.get("softcap")
+
+
+_FORM: ContextVar[str] = ContextVar("mgbench_fixed_order_attention_form", default="batched")
+
+
 def _attention(base, module, query, key, value, attention_mask, **kwargs):
     cache = _CACHE.get()
     if cache is None:  # a prefill alone (or any forward without the aligned cache): stock kernels
         return base(module, query, key, value, attention_mask, **kwargs)
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    out = fixed_order_attention(
-        query, key, value, cache.positions, kwargs.get("scaling") or module.scaling, window, kwargs.get("softcap")
-    )
-    return out, None
+    attend = attention_in_form(_FORM.get())
+    return attend(query, key, value, cache.positions, *attention_arguments(module, kwargs)), None
 
 
 # --- row-wise modules ------------------------------------------------------------------------
@@ -122,14 +149,16 @@ class FixedOrderPlan:
 
     chunk: int = CHUNK
     forms: dict[str, str] = field(default_factory=dict)
+    attention: str = "batched"  # or "per-row" where the probe found the batched form not exact
     fallbacks: tuple[str, ...] = ()  # lines saying which parts fell back to per row, and why
 
     def describe(self) -> dict:
         labels: dict[str, list[str]] = {}
         for name, form in self.forms.items():
             labels.setdefault(form, []).append(name)
+        how = "one call for the batch" if self.attention == "batched" else "per row (fallback)"
         return {
-            "attention": f"fixed-order (fp32, {self.chunk}-key chunks from position 0, start-aligned cache)",
+            "attention": f"fixed-order ({how}; fp32, {self.chunk}-key chunks from position 0, start-aligned cache)",
             "modules": {form: len(names) for form, names in labels.items()},
             "fallbacks": list(self.fallbacks),
         }
@@ -166,6 +195,8 @@ def fixed_order_kernels(model, plan: FixedOrderPlan):
     """Inside the block, forwards fed through `fixed_order_step` run the fixed-order kernels;
     a forward without the aligned cache (a prefill alone) runs the stock attention."""
     with ExitStack() as stack:
+        form = _FORM.set(plan.attention)
+        stack.callback(_FORM.reset, form)
         stack.enter_context(wrapped_attention(model, "fixed_order", _attention))
         stack.enter_context(module_forms(model, plan.forms))
         yield

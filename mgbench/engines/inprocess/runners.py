@@ -71,7 +71,9 @@ class FreeRunResult:
     decode_seconds: float
 
 
-def run_solo(model, prompt: torch.Tensor, max_new_tokens: int, eos_ids: set[int], kernels: Kernels = STOCK) -> SoloResult:
+def run_solo(
+    model, prompt: torch.Tensor, max_new_tokens: int, eos_ids: set[int], kernels: Kernels = STOCK
+) -> SoloResult:
     """Greedy decoding of one request alone: batch size 1, no padding, through `kernels`."""
     decoder = kernels.solo(model, prompt, max_new_tokens)
     all_logits, tokens = [decoder.logits[0]], [int(decoder.logits[0].argmax())]
