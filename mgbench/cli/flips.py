@@ -21,6 +21,7 @@ from mgbench.cli.options import (
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
+    KernelsOpt,
     LimitOpt,
     MaxNewOpt,
     ModelOpt,
@@ -57,6 +58,7 @@ def flips(
     resume: bool = ResumeOpt,
     tp_plan: Optional[str] = TpPlanOpt,
     batch_invariant: bool = BatchInvariantOpt,
+    kernels: str = KernelsOpt,
     require_determinism: Optional[float] = typer.Option(
         None, "--require-determinism", help="Exit 1 when the share of sequences equal to solo is below this (e.g. 1.0)."
     ),
@@ -118,9 +120,13 @@ def flips(
 
         mgbench flips --limit 64 --out runs/m --resume
 
-        # expect 0 flips
+        # expect 0 flips: batched rows reproduce stock solo decoding (at about solo cost)
 
         mgbench flips --batch-invariant --limit 16 --max-new-tokens 32
+
+        # expect 0 flips against solo through the same fixed-order kernels (the deployed road)
+
+        mgbench flips --kernels fixed-order --limit 16 --max-new-tokens 32
 
         # record a baseline, then gate later runs on it
 
@@ -152,6 +158,7 @@ def flips(
                 "--attn": attn != "sdpa" and f"--attn {attn}",
                 "--tp-plan": tp_plan is not None and "--tp-plan",
                 "--batch-invariant": batch_invariant and "--batch-invariant",
+                "--kernels": kernels != "stock" and f"--kernels {kernels}",
                 "--shard": shard is not None and "--shard",
             },
         )
@@ -169,6 +176,7 @@ def flips(
             attn=attn,
             tp_plan=tp_plan,
             batch_invariant=batch_invariant,
+            kernels=kernels,
         )
         spec = GateSpec(Thresholds(require_determinism, max_flip_rate), baseline, alpha)
         placement = Placement.resolve(shard, resume, tp_plan, out)
@@ -195,6 +203,7 @@ BLACK_BOX_REASONS = {
     "--attn": "the server picks its own attention kernels",
     "--tp-plan": "the server shards the model itself",
     "--batch-invariant": "it patches the in-process model (a server has its own switch, e.g. VLLM_BATCH_INVARIANT=1)",
+    "--kernels": "it swaps the in-process model's kernels (a server has its own switch)",
     "--shard": "one client audits a server; several would change the concurrency it sees",
 }
 

@@ -77,7 +77,17 @@ BatchInvariantOpt = typer.Option(
     False,
     "--batch-invariant",
     help=(
-        "Decode batches with every op that varies on this machine made invariant (measured by `mgbench "
-        "probe` first; per-row attention, exact forms of varying layers)."
+        "Stock kernels, each batched row made to reproduce STOCK SOLO decoding bitwise (the ops that vary "
+        "on this machine, measured by `mgbench probe`, run per row or in exact forms; about solo cost)."
+    ),
+)
+KernelsOpt = typer.Option(
+    "stock",
+    "--kernels",
+    help=(
+        "stock: the model's own kernels. fixed-order: every forward, the solo reference's too, runs kernels "
+        "whose per-row reduction order is fixed by construction (probed first); determinism is then measured "
+        "against solo decoding through the SAME kernels, as vLLM's VLLM_BATCH_INVARIANT=1 and SGLang's "
+        "deterministic mode define it."
     ),
 )

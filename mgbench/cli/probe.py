@@ -8,7 +8,17 @@ from typing import Optional
 import typer
 
 from mgbench.cli.exits import user_errors
-from mgbench.cli.options import AttnOpt, DebugOpt, DeviceOpt, DtypeOpt, ModelOpt, OutOpt, SeedOpt, default_out
+from mgbench.cli.options import (
+    AttnOpt,
+    DebugOpt,
+    DeviceOpt,
+    DtypeOpt,
+    KernelsOpt,
+    ModelOpt,
+    OutOpt,
+    SeedOpt,
+    default_out,
+)
 from mgbench.errors import UserError
 from mgbench.runs.options import RunOptions
 
@@ -26,6 +36,7 @@ def probe(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     attn: str = AttnOpt,
+    kernels: str = KernelsOpt,
     json_out: bool = typer.Option(False, "--json", help="Print probe.json on stdout instead of the table."),
     out: Optional[Path] = OutOpt,
     debug: bool = DebugOpt,
@@ -38,6 +49,11 @@ def probe(
     the exact form `--batch-invariant` runs it in (the fastest measured); then the whole step,
     plain and in batch-invariant mode, against solo. Writes probe.json and manifest.json.
 
+    With `--kernels fixed-order`: decodes a few steps of ROWS real prompts of unequal lengths through
+    the fixed-order kernels, recomputes every part of the first, middle and last layer at every batch
+    size 1..ROWS against each row alone, bitwise, per form (as is, never one row, per row), and checks
+    a chunk of tokens in one forward against the same tokens step by step.
+
     Examples:
 
         mgbench probe
@@ -45,6 +61,8 @@ def probe(
         mgbench probe --rows 8 --json > probe.json
 
         mgbench probe --model llama-3.1-8b --device cuda --rows 64
+
+        mgbench probe --kernels fixed-order --rows 64 --dataset gsm8k --limit 64
     """
     with user_errors(debug):
         if rows < 2:
@@ -58,6 +76,7 @@ def probe(
             dtype=dtype,
             device=device,
             attn=attn,
+            kernels=kernels,
         )
         from mgbench.pipelines.probe import run_probe  # loads torch
 

@@ -20,6 +20,7 @@ from mgbench.cli.options import (
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
+    KernelsOpt,
     ModelOpt,
     OutOpt,
     PrefillOpt,
@@ -77,6 +78,7 @@ def verify(
     resume: bool = ResumeOpt,
     tp_plan: Optional[str] = TpPlanOpt,
     batch_invariant: bool = BatchInvariantOpt,
+    kernels: str = KernelsOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Verify: decode in batches under a verification policy; every output must equal its solo reference.
@@ -105,6 +107,10 @@ def verify(
         mgbench verify --threshold 0.47 --shard 1/4 --out runs/verify
 
         mgbench verify --batch-invariant --policy none --require-determinism 1.0
+
+        # against solo through the same fixed-order kernels
+
+        mgbench verify --kernels fixed-order --policy none --require-determinism 1.0
     """
     with user_errors(debug):
         sizes = parse_batch_sizes(batch_sizes)
@@ -122,6 +128,7 @@ def verify(
             attn=attn,
             tp_plan=tp_plan,
             batch_invariant=batch_invariant,
+            kernels=kernels,
         )
         if threshold is not None and threshold_from is not None:
             raise UserError("give --threshold or --threshold-from, not both")
@@ -132,6 +139,11 @@ def verify(
         from mgbench.pipelines.verify import run_verify
 
         specs = policy_specs(policy, repair, tau, unit)
+        if kernels == "fixed-order" and any(spec.kind != "none" for spec in specs):
+            raise UserError(
+                "--kernels fixed-order verifies with --policy none: the always, margin and oracle policies "
+                "replay stock solo decoding, another reference"
+            )
         if require_determinism is not None and not 0 <= require_determinism <= 1:
             raise UserError(f"--require-determinism {require_determinism}: use a fraction in [0, 1]")
         gate_spec = GateSpec(Thresholds(), baseline, alpha)

@@ -18,7 +18,7 @@ from mgbench.engines.endpoint.engine import EndpointEngine
 from mgbench.engines.inprocess.engine import InProcessEngine
 from mgbench.engines.interface import AuditRecords, engine_kind
 from mgbench.pipelines.prepared import PreparedRun, fingerprint, prepare, with_gate
-from mgbench.pipelines.probe import probe_if_invariant
+from mgbench.pipelines.probe import fixed_order_summary, kernels_for_run, probe_if_invariant
 from mgbench.pipelines.session import attach_gate, finish_output, gate_lines, load_with_status, shard_status, warn_split
 from mgbench.render import terminal
 from mgbench.render.console import console, err_console, pass_progress
@@ -63,6 +63,9 @@ def summarize(run: PreparedRun, steps: StepAggregates, sequences: pd.DataFrame, 
         "method": figures.step_method(steps),
         "prefill": options.prefill,
         "batch_invariant": options.batch_invariant,
+        "kernels": options.kernels,
+        "reference": "fixed-order solo" if options.kernels == "fixed-order" else "stock solo",
+        **fixed_order_figures(group_records),
         "max_new_tokens": run.max_new_tokens,
         "batch_sizes": list(options.batch_sizes),
         **figures.summarize_flips(steps, sequences),
@@ -74,6 +77,16 @@ def summarize(run: PreparedRun, steps: StepAggregates, sequences: pd.DataFrame, 
         "oom_splits": [split for record in group_records for split in record["oom_splits"]],
         **solo_repeat_summary(group_records),
     }
+
+
+def fixed_order_figures(group_records: list[dict]) -> dict:
+    """A fixed-order run's plan (from its probe) and how many of its solo outputs equal stock solo
+    outputs, summed over groups; {} for a stock run."""
+    groups = [record["fixed_order"] for record in group_records if "fixed_order" in record]
+    if not groups:
+        return {}
+    stock = {key: sum(g["stock_solo"].get(key, 0) for g in groups) for key in ("requests", "identical")}
+    return {"fixed_order": {**{k: v for k, v in groups[0].items() if k != "stock_solo"}, "stock_solo": stock}}
 
 
 def solo_repeat_summary(group_records: list[dict]) -> dict:
@@ -138,7 +151,9 @@ def in_process_engine(lm, run, label: str | None = None):
     """The in-process engine on a loaded model (None: a shard only finishing, nothing to decode)."""
     if lm is None:
         return None
-    engine = InProcessEngine(lm, probe_if_invariant(lm, run))
+    kernels, fixed_probe = kernels_for_run(lm, run)
+    facts = fixed_order_summary(fixed_probe) if fixed_probe is not None else None
+    engine = InProcessEngine(lm, probe_if_invariant(lm, run), kernels, facts)
     engine.label = label or engine.label
     return engine
 

@@ -13,10 +13,12 @@ from pathlib import Path
 import torch
 
 from mgbench.assets import datasets
-from mgbench.engines.inprocess.invariance_probe import ProbeReport, probe_model
+from mgbench.engines.inprocess.fixed_order_probe import FixedOrderProbe, probe_fixed_order
+from mgbench.engines.inprocess.invariance_probe import ProbeReport, machine_facts, probe_model
+from mgbench.engines.inprocess.kernels import STOCK, Kernels
 from mgbench.pipelines.prepared import prepare
 from mgbench.pipelines.session import finish_output, load_with_status
-from mgbench.render import terminal
+from mgbench.render import probe_terminal
 from mgbench.render.console import console, err_console
 from mgbench.runs import rundir
 from mgbench.runs.options import RunOptions
@@ -52,13 +54,66 @@ def run_summary(report: ProbeReport) -> dict:
     }
 
 
+def fixed_order_probe_for_run(lm, run, batch_size: int | None = None) -> FixedOrderProbe:
+    """The fixed-order forms probed on this run's own prompts (cut to PROBE_MAX_TOKENS), as many
+    rows as its largest batch."""
+    rows = probe_rows(batch_size if batch_size is not None else max(run.options.batch_sizes))
+    prompts = [
+        torch.tensor(datasets.encode(lm.tokenizer, run.config, r.text)[:PROBE_MAX_TOKENS], device=lm.device)
+        for r in run.requests
+    ]
+    return probe_fixed_order(lm.model, prompts, rows)
+
+
+def fixed_order_summary(probe: FixedOrderProbe) -> dict:
+    """What a run's summary says of its fixed-order kernels."""
+    return {
+        "reference": "fixed-order solo",
+        "plan": probe.plan.describe(),
+        "probe_rows": probe.rows,
+        "probe_batch_sizes": probe.batch_sizes,
+        "chunk_vs_steps": probe.chunk_vs_steps,
+    }
+
+
+def kernels_for_run(lm, run, batch_size: int | None = None) -> tuple[Kernels, FixedOrderProbe | None]:
+    """The kernel set a run decodes with; a fixed-order run is probed first, said in one line
+    (and one more per part that fell back to per row, with its cost)."""
+    if lm is None or run.options.kernels != "fixed-order":
+        return STOCK, None
+    rows = probe_rows(batch_size if batch_size is not None else max(run.options.batch_sizes))
+    with err_console.status(f"probing the fixed-order forms on {rows} real prompts, batch sizes 1..{rows}"):
+        probe = fixed_order_probe_for_run(lm, run, batch_size)
+    plan = probe.plan.describe()
+    modules = ", ".join(f"{n} modules {form}" for form, n in plan["modules"].items()) or "every module as is"
+    err_console.print(
+        f"[green]fixed-order kernels: attention {probe.plan.attention}, {modules}; reference: solo through "
+        f"the same kernels[/] (probe: {probe.rows} rows, {probe.seconds:.0f} s)",
+        highlight=False,
+    )
+    for line in probe.fallbacks:
+        err_console.print(f"[bold yellow]fixed-order fallback: {line}[/]", highlight=False)
+    if not probe.chunk_vs_steps["exact"]:
+        err_console.print(
+            "[bold yellow]fixed-order: a chunk of tokens in one forward differs from the same tokens step by "
+            f"step ({probe.chunk_vs_steps['rows_differing']}/{probe.chunk_vs_steps['rows']} rows)[/]",
+            highlight=False,
+        )
+    return Kernels("fixed-order", probe.plan), probe
+
+
 def run_probe(options: RunOptions, rows: int, json_out: bool, out: Path) -> None:
     """`mgbench probe` from validated options to probe.json and its table."""
     run = prepare(options)  # its one batch size is --rows
     rundir.prepare_out_dir(out)
     lm = load_with_status(options)
-    with err_console.status(f"probing one decode step over {rows} rows"):
-        found = probe_for_run(lm, run).to_dict()
+    if options.kernels == "fixed-order":
+        with err_console.status(f"probing the fixed-order forms on {rows} real prompts, batch sizes 1..{rows}"):
+            found = fixed_order_probe_for_run(lm, run).to_dict()
+        found["machine"] = machine_facts(lm.device)
+    else:
+        with err_console.status(f"probing one decode step over {rows} rows"):
+            found = probe_for_run(lm, run).to_dict()
     manifest = rundir.manifest(
         "probe",
         {**asdict(options), "rows": rows},
@@ -66,7 +121,10 @@ def run_probe(options: RunOptions, rows: int, json_out: bool, out: Path) -> None
         {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source},
     )
     rundir.publish_run(out, {}, {"probe": found, "manifest": manifest})
-    finish_output(out, found, json_out, lambda: terminal.render_probe(console, found, options.model, lm.dtype))
+    render = (
+        probe_terminal.render_fixed_order_probe if options.kernels == "fixed-order" else probe_terminal.render_probe
+    )
+    finish_output(out, found, json_out, lambda: render(console, found, options.model, lm.dtype))
 
 
 def probe_if_invariant(lm, run):

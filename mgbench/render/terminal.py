@@ -60,7 +60,9 @@ def render_flips(console: Console, summary: dict, pads: pd.DataFrame) -> None:
             if black_box
             else [
                 ("prefill", summary["prefill"]),
-                ("batch-invariant mode", "on" if summary.get("batch_invariant") else "off"),
+                ("kernels", summary.get("kernels", "stock")),
+                ("determinism measured against", reference_label(summary)),
+                *_fixed_order_rows(summary.get("fixed_order")),
             ]
         ),
         ("max new tokens", summary["max_new_tokens"]),
@@ -321,41 +323,27 @@ def _spans(values: list[int]) -> str:
     return ", ".join(spans) or "-"
 
 
-def render_probe(console: Console, probe: dict, model: str, dtype: str) -> None:
-    machine = probe["machine"]
-    where = machine.get("gpu") or f"{machine['cpu']}, torch CPU capability {machine['cpu_capability']}"
-    table = Table(
-        title=f"mgbench probe: {model} ({dtype}) on {where}; {probe['rows']} rows, pads {_spans(probe['pad_lens'])}"
-    )
-    for column, justify in (
-        ("op", "left"),
-        ("module / shape", "left"),
-        ("n", "right"),
-        ("invariant", "center"),
-        ("max |diff|", "right"),
-        ("differs at", "left"),
-        ("batch-invariant form", "left"),
-        ("batched ms", "right"),
-        ("form ms", "right"),
-    ):
-        table.add_column(column, justify=justify)
-    for f in probe["findings"]:
-        differs = f"{f['axis']} {_spans(f['varies_at'])}" if f["varies_at"] else "-"
-        form = "-" if f["form"] == "batched" else f["form"]
-        table.add_row(
-            f["op"],
-            f["name"],
-            str(f["modules"]),
-            _yes(f["invariant"]),
-            _fmt(f["max_abs_diff"], 3),
-            differs,
-            form,
-            _fmt(f["batched_ms"], 3),
-            _fmt(f["form_ms"], 3),
+def reference_label(summary: dict) -> str:
+    """What a run's determinism figures are measured against (old runs: stock solo)."""
+    if summary.get("kernels") == "fixed-order":
+        return "solo decoding through the same fixed-order kernels"
+    if summary.get("batch_invariant"):
+        return "stock solo (batched rows made to reproduce it: --batch-invariant)"
+    return "stock solo"
+
+
+def _fixed_order_rows(fixed: dict | None) -> list[tuple[str, str]]:
+    if not fixed:
+        return []
+    plan, stock = fixed["plan"], fixed.get("stock_solo")
+    modules = ", ".join(f"{n} {form}" for form, n in plan["modules"].items()) or "all as is"
+    rows = [("fixed-order attention", plan["attention"]), ("fixed-order row-wise modules", modules)]
+    rows += [("fixed-order fallback", line) for line in plan["fallbacks"]]
+    if stock:
+        rows.append(
+            (
+                "fixed-order solo = stock solo",
+                f"{stock['identical']} / {stock['requests']} sequences (changing the reference changes the rest)",
+            )
         )
-    console.print(table)
-    increment = probe["invariant_step_increment"]
-    console.print(
-        f"decode step: plain {probe['plain_step_ms']:.1f} ms, batch-invariant {probe['invariant_step_ms']:.1f} ms "
-        f"({_pct(increment)}); batch-invariant mode exact on the probe batch: {_yes(probe['batch_invariant_exact'])}"
-    )
+    return rows

@@ -10,6 +10,10 @@ from mgbench.runs.machine import check_kernel_environment
 
 # How prompts are prefilled: each alone at batch size 1 (as serving engines do), or one left-padded batch.
 PREFILL_MODES = ("alone", "batched")
+# The kernels every forward of an in-process run uses: the model's own (`stock`), or kernels whose
+# per-row reduction order is fixed by construction (`fixed-order`; the reference is then solo
+# decoding through them). Listed here, below the engines, so options validate without torch.
+KERNEL_SETS = ("stock", "fixed-order")
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
@@ -37,7 +41,8 @@ class RunOptions:
     device: str = "auto"
     attn: str = "sdpa"
     tp_plan: str | None = None  # transformers tensor parallelism ("auto") under torchrun
-    batch_invariant: bool = False  # decode batches with every varying op made invariant (probed)
+    batch_invariant: bool = False  # stock kernels made to reproduce stock solo decoding in a batch (probed)
+    kernels: str = "stock"  # or "fixed-order": every forward, the solo reference's too, in fixed-order kernels
 
     def __post_init__(self) -> None:
         if any(b < 1 for b in self.batch_sizes):
@@ -59,6 +64,17 @@ class RunOptions:
                 "--batch-invariant prefills each request alone (the padded prefill is the batch "
                 "dependence it removes): drop --prefill batched"
             )
+        if self.kernels not in KERNEL_SETS:
+            raise UserError(f"--kernels {self.kernels!r}: choose one of {', '.join(KERNEL_SETS)}")
+        if self.kernels == "fixed-order" and self.batch_invariant:
+            raise UserError(
+                "--batch-invariant reproduces stock solo decoding and --kernels fixed-order changes the "
+                "reference to solo through fixed-order kernels: choose one"
+            )
+        if self.kernels == "fixed-order" and self.prefill != "alone":
+            raise UserError("--kernels fixed-order prefills each request alone: drop --prefill batched")
+        if self.kernels == "fixed-order" and self.tp_plan is not None:
+            raise UserError("--kernels fixed-order runs on one device: drop --tp-plan")
         if self.tp_plan not in (None, "auto"):
             raise UserError(f"--tp-plan {self.tp_plan!r}: the only plan is auto (the model's own tensor-parallel plan)")
         if not self.device.startswith("cuda"):

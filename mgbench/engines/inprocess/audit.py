@@ -17,6 +17,7 @@ import torch
 from mgbench.analysis.divergence import first_divergence
 from mgbench.assets.datasets import Request
 from mgbench.engines.inprocess.batch_invariant import InvariancePlan, decoding_mode
+from mgbench.engines.inprocess.kernels import STOCK, Kernels
 from mgbench.engines.inprocess.runners import run_free, run_solo, run_teacher_forced
 from mgbench.engines.interface import AuditRecords
 from mgbench.runs.groups import ProgressFn, batch_id_base, wanted_groups
@@ -43,13 +44,26 @@ def solo_groups(
     max_new_tokens: int,
     eos_ids: set[int],
     device: str,
+    kernels: Kernels = STOCK,
+    stock_agreement: dict | None = None,
 ):
     """Yield (group index, group, prompt tensors, solo results) for each (index, group) given.
 
-    Solo references are computed once per group and dropped with it, which bounds memory."""
+    Solo references are computed once per group and dropped with it, which bounds memory. They
+    run through `kernels` (the run's reference); with fixed-order kernels and a `stock_agreement`
+    dict, each request is also decoded alone with the stock kernels and the dict counts, per group
+    (cleared at each), how many fixed-order solo outputs equal the stock ones."""
     for index, group in groups:
         tensors = {i: torch.tensor(prompts[i], dtype=torch.long, device=device) for i in group}
-        yield index, group, tensors, {i: run_solo(model, tensors[i], max_new_tokens, eos_ids) for i in group}
+        with kernels.active(model):
+            solos = {i: run_solo(model, tensors[i], max_new_tokens, eos_ids, kernels) for i in group}
+        if kernels.fixed_order and stock_agreement is not None:
+            stock = {i: run_solo(model, tensors[i], max_new_tokens, eos_ids).tokens for i in group}
+            stock_agreement.clear()
+            stock_agreement.update(
+                requests=len(group), identical=sum(torch.equal(stock[i], solos[i].tokens) for i in group)
+            )
+        yield index, group, tensors, solos
 
 
 def audit_groups(
@@ -65,10 +79,14 @@ def audit_groups(
     on_progress: ProgressFn = lambda phase, n: None,
     on_split: SplitFn = lambda batch_size, half: None,
     plan: InvariancePlan | None = None,
+    kernels: Kernels = STOCK,
+    kernel_facts: dict | None = None,
 ) -> Iterator[tuple[int, AuditRecords]]:
     """Yield (group index, records of that group) for every wanted group, in decoding order.
 
-    With a `plan` (the batch-invariant mode) every batched pass runs under it."""
+    With a `plan` (the batch-invariant mode) every batched pass runs under it; with fixed-order
+    `kernels` every pass does, the solo reference included, and each group's records carry
+    `kernel_facts` (the probe's plan) and its fixed-order vs stock solo agreement."""
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
     groups = wanted_groups(prompts, options, wanted, on_progress)
@@ -77,8 +95,8 @@ def audit_groups(
     def run_batch(members):
         batch_prompts = [tensors[i] for i in members]
         batch_solos = [solos[i] for i in members]
-        with decoding_mode(model, batch_prompts, plan):
-            forced = run_teacher_forced(model, batch_prompts, batch_solos, options.prefill, pad_id)
+        with decoding_mode(model, batch_prompts, plan), kernels.active(model):
+            forced = run_teacher_forced(model, batch_prompts, batch_solos, options.prefill, pad_id, kernels)
             free = run_free(
                 model,
                 batch_prompts,
@@ -87,12 +105,18 @@ def audit_groups(
                 pad_id,
                 max_new_tokens,
                 eos_ids,
+                kernels=kernels,
             )
         return forced, free
 
+    agreement: dict = {}
     with torch.inference_mode():
-        for index, group, tensors, solos in solo_groups(model, prompts, groups, max_new_tokens, eos_ids, device):
+        for index, group, tensors, solos in solo_groups(
+            model, prompts, groups, max_new_tokens, eos_ids, device, kernels, agreement
+        ):
             records = AuditRecords()
+            if kernels.fixed_order:
+                records.extra["fixed_order"] = {**(kernel_facts or {}), "stock_solo": dict(agreement)}
             records.solo_tokens += sum(len(s.tokens) - 1 for s in solos.values())
             records.solo_seconds += sum(s.decode_seconds for s in solos.values())
             on_progress("solo", len(group))

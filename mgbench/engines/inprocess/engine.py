@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from mgbench.engines.inprocess.audit import audit_groups
+from mgbench.engines.inprocess.kernels import STOCK, Kernels
 from mgbench.engines.interface import run_options
 from mgbench.runs import rundir
 
@@ -12,10 +13,13 @@ from mgbench.runs import rundir
 class InProcessEngine:
     method = "teacher-forced"
 
-    def __init__(self, lm, probe=None):
+    def __init__(self, lm, probe=None, kernels: Kernels = STOCK, kernel_facts: dict | None = None):
         self.lm, self.probe = lm, probe  # probe: the ProbeReport a --batch-invariant run plans with
+        self.kernels, self.kernel_facts = kernels, kernel_facts  # fixed-order: the plan and its probe's summary
         self.tokenizer = lm.tokenizer
-        self.label = f"in-process ({lm.attn}{', batch-invariant' if probe is not None else ''})"
+        mode = ", batch-invariant (stock solo)" if probe is not None else ""
+        mode += ", fixed-order kernels" if kernels.fixed_order else ""
+        self.label = f"in-process ({lm.attn}{mode})"
 
     def audit(self, run, prompts, wanted, on_progress, on_split):
         return audit_groups(
@@ -31,6 +35,8 @@ class InProcessEngine:
             on_progress=on_progress,
             on_split=on_split,
             plan=self.probe.plan if self.probe is not None else None,
+            kernels=self.kernels,
+            kernel_facts=self.kernel_facts,
         )
 
     def manifest(self, run) -> dict:
@@ -46,6 +52,8 @@ class InProcessEngine:
                 "model_source": lm.source,
                 "dataset_config": asdict(run.config),
                 **({"probe": self.probe.to_dict()} if self.probe is not None else {}),
+                "kernels": self.kernels.name,
+                **({"fixed_order": self.kernel_facts} if self.kernels.fixed_order else {}),
             },
             inputs=run.inputs,
         )
