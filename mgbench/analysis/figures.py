@@ -221,6 +221,7 @@ def compare_table(runs: pd.DataFrame) -> pd.DataFrame:
             steps=("steps", "first"),
             triggers=("triggers", "median"),
             repairs=("repairs", "median"),
+            **({"reference": ("reference", "first")} if "reference" in runs else {}),
         )
         .reset_index()
     )

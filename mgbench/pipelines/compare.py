@@ -1,9 +1,10 @@
 """`mgbench compare`: the same prompts and batches decoded under every policy, timed in one process.
 
 Configurations: `none` (plain batched), `always`, `margin<TAU` and `oracle`, each with `column`
-and `exact` repair; `batch-invariant` (every op that varies on this machine made invariant, as
-planned by a probe: the other road to determinism); and
-`solo` (each request alone, sequentially). Every configuration decodes the same batches after
+and `exact` repair; `batch-invariant` (stock kernels, each row made to reproduce stock solo
+decoding, as planned by a probe); `fixed-order kernels` (every forward in kernels whose reduction
+order is fixed by construction: determinism against solo through the same kernels, the road vLLM
+and SGLang deploy); and `solo` (each request alone, sequentially). Every row names its reference. Every configuration decodes the same batches after
 one warm-up pass; prefill is done alone once and shared, so timings cover the decode steps.
 """
 
@@ -23,12 +24,13 @@ from mgbench.analysis.divergence import first_divergence
 from mgbench.assets import datasets
 from mgbench.engines.inprocess.audit import eos_token_ids, pad_token_id
 from mgbench.engines.inprocess.batch_invariant import InvariancePlan, decoding_mode
+from mgbench.engines.inprocess.kernels import Kernels
 from mgbench.engines.inprocess.policies import MarginGate, PolicySpec
 from mgbench.engines.inprocess.runners import run_free, run_solo, synchronize
 from mgbench.engines.inprocess.step import StepContext
 from mgbench.engines.inprocess.stopwatch import Stopwatch
 from mgbench.pipelines.prepared import PreparedRun, prepare
-from mgbench.pipelines.probe import probe_for_run, run_summary
+from mgbench.pipelines.probe import fixed_order_probe_for_run, fixed_order_summary, probe_for_run, run_summary
 from mgbench.pipelines.session import finish_output, load_with_status, warn_split
 from mgbench.render import plots, terminal
 from mgbench.render.console import console, progress_bar
@@ -53,11 +55,15 @@ def configurations(tau: float, unit: str) -> list[Config]:
         for repair in ("column", "exact"):
             spec = PolicySpec(kind, repair, tau if kind == "margin" else None, unit)
             configs.append(Config(spec.label, spec))
-    return configs + [Config("batch-invariant", None), Config("solo", None)]
+    return configs + [Config("fixed-order kernels", None), Config("batch-invariant", None), Config("solo", None)]
+
+
+def reference_of(config: Config) -> str:
+    return "fixed-order solo" if config.name == "fixed-order kernels" else "stock solo"
 
 
 def _decode_config(
-    config: Config, lm, batches, solos, run: PreparedRun, eos_ids, pad_id, stopwatch, plan: InvariancePlan
+    config: Config, lm, batches, solos, run: PreparedRun, eos_ids, pad_id, stopwatch, plan: InvariancePlan, kernels
 ):
     """Decode every batch under one configuration: (seconds, outputs per request, triggers, repairs)."""
     model = lm.model
@@ -73,6 +79,9 @@ def _decode_config(
         if config.name == "batch-invariant":
             with decoding_mode(model, prompts, plan):
                 free = run_free(model, prompts, prefills, "alone", pad_id, run.max_new_tokens, eos_ids)
+        elif config.name == "fixed-order kernels":
+            with kernels.active(model):
+                free = run_free(model, prompts, prefills, "alone", pad_id, run.max_new_tokens, eos_ids, kernels=kernels)
         else:
             policy = config.spec.build(
                 model, prompts, prefills, [solos[i].logits for i in members], run.max_new_tokens, stopwatch
@@ -125,19 +134,27 @@ def time_configurations(
     configs = configurations(tau, unit)
     rows = []
     probe = probe_for_run(lm, run, batch_size)
+    fixed_probe = fixed_order_probe_for_run(lm, run, batch_size)
+    kernels = Kernels("fixed-order", fixed_probe.plan)
     with torch.inference_mode():
         solos = {i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids) for i in order}
-        reference = {i: solos[i].tokens.tolist() for i in order}
+        with kernels.active(model):
+            fixed_solos = {i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids, kernels) for i in order}
+        references = {
+            "stock solo": {i: solos[i].tokens.tolist() for i in order},
+            "fixed-order solo": {i: fixed_solos[i].tokens.tolist() for i in order},
+        }
         on_progress("solo", len(order))
         for config in configs:  # warm-up pass on the first batch, not recorded
-            _decode_config(config, lm, batches[:1], solos, run, eos_ids, pad_id, None, probe.plan)
+            _decode_config(config, lm, batches[:1], solos, run, eos_ids, pad_id, None, probe.plan, kernels)
         on_progress("warmup", 1)
         for repeat in range(repeats):
             for config in configs:
                 stopwatch = Stopwatch(device) if repeat == 0 and config.spec is not None else None
                 seconds, outputs, triggers, repairs = _decode_config(
-                    config, lm, batches, solos, run, eos_ids, pad_id, stopwatch, probe.plan
+                    config, lm, batches, solos, run, eos_ids, pad_id, stopwatch, probe.plan, kernels
                 )
+                reference = references[reference_of(config)]
                 identical = sum(first_divergence(reference[i], outputs[i]) is None for i in order)
                 if config.name == "none" and repeat == 0:
                     # batched decode iterations: each batch runs as long as its longest row
@@ -147,6 +164,7 @@ def time_configurations(
                         "config": config.name,
                         "policy": config.spec.kind if config.spec else config.name,
                         "repair": config.spec.repair if config.spec and config.spec.kind != "none" else "",
+                        "reference": reference_of(config),
                         "repeat": repeat,
                         "seconds": seconds,
                         "tokens": sum(len(outputs[i]) - 1 for i in order),
@@ -161,7 +179,15 @@ def time_configurations(
                     }
                 )
                 on_progress("configs", 1)
-        extra = {**gate_cost(lm, batches, solos, tau, unit), "batch_invariant": run_summary(probe)}
+        stock, fixed = references["stock solo"], references["fixed-order solo"]
+        extra = {
+            **gate_cost(lm, batches, solos, tau, unit),
+            "batch_invariant": run_summary(probe),
+            "fixed_order": {
+                **fixed_order_summary(fixed_probe),
+                "stock_solo": {"requests": len(order), "identical": sum(stock[i] == fixed[i] for i in order)},
+            },
+        }
     table = pd.DataFrame(rows)
     plain_step = table.loc[table["config"] == "none", "seconds"].median() / max(1, iterations)
     extra["plain_batched_step_seconds"] = plain_step

@@ -19,10 +19,11 @@ from mgbench.assets import datasets
 from mgbench.assets.needle import batch_layouts, filler_prompts
 from mgbench.engines.inprocess.audit import eos_token_ids, pad_token_id, solo_groups
 from mgbench.engines.inprocess.batch_invariant import InvariancePlan, decoding_mode
+from mgbench.engines.inprocess.kernels import STOCK, Kernels
 from mgbench.engines.inprocess.policies import PolicySpec
 from mgbench.engines.inprocess.runners import row_prefills, run_free
 from mgbench.pipelines.prepared import PreparedRun, fingerprint, prepare, with_gate
-from mgbench.pipelines.probe import probe_if_invariant
+from mgbench.pipelines.probe import fixed_order_summary, kernels_for_run, probe_if_invariant
 from mgbench.pipelines.session import attach_gate, finish_output, gate_lines, load_with_status, shard_status, warn_split
 from mgbench.render import terminal
 from mgbench.render.console import console, pass_progress
@@ -63,6 +64,7 @@ def verify_groups(
     on_progress: ProgressFn,
     on_split: SplitFn,
     plan: InvariancePlan | None = None,
+    kernels: Kernels = STOCK,
 ) -> Iterator[tuple[int, VerifyRecords]]:
     """Yield (group index, records of that group) for every wanted group, in decoding order.
     With a `plan` (the batch-invariant mode) every batch decodes under it, policies on top."""
@@ -75,7 +77,9 @@ def verify_groups(
     groups = wanted_groups(prompts, options, wanted, on_progress)
     group_size = max(options.batch_sizes)
     with torch.inference_mode():
-        for index, group, tensors, solos in solo_groups(model, prompts, groups, run.max_new_tokens, eos_ids, device):
+        for index, group, tensors, solos in solo_groups(
+            model, prompts, groups, run.max_new_tokens, eos_ids, device, kernels
+        ):
             on_progress("solo", len(group))
             records = VerifyRecords()
             batch_id = batch_id_base(index, group_size, len(options.batch_sizes) * len(specs))
@@ -87,7 +91,7 @@ def verify_groups(
 
                         def run_batch(chosen, batch=batch):
                             part = batch.part(chosen)
-                            return part, _run_batch(model, run, spec, pad_id, eos_ids, part, plan)
+                            return part, _run_batch(model, run, spec, pad_id, eos_ids, part, plan, kernels)
 
                         for _, (part, (free, policy)) in run_splitting_on_oom(
                             batch.members, run_batch, split, len(batch.prompts)
@@ -148,12 +152,13 @@ class Batch:
         )
 
 
-def _run_batch(model, run, spec, pad_id, eos_ids, batch: Batch, plan: InvariancePlan | None):
-    prefills = row_prefills(model, batch.prompts, batch.prefills)
+def _run_batch(model, run, spec, pad_id, eos_ids, batch: Batch, plan: InvariancePlan | None, kernels=STOCK):
+    with kernels.active(model):
+        prefills = row_prefills(model, batch.prompts, batch.prefills)
     policy = spec.build(model, batch.prompts, prefills, batch.logits, run.max_new_tokens)
-    with decoding_mode(model, batch.prompts, plan):
+    with decoding_mode(model, batch.prompts, plan), kernels.active(model):
         free = run_free(
-            model, batch.prompts, prefills, run.options.prefill, pad_id, run.max_new_tokens, eos_ids, policy
+            model, batch.prompts, prefills, run.options.prefill, pad_id, run.max_new_tokens, eos_ids, policy, kernels
         )
     return free, policy
 
@@ -266,6 +271,8 @@ def summarize(
         "prefill": run.options.prefill,
         "needle": needle,
         "batch_invariant": run.options.batch_invariant,
+        "kernels": run.options.kernels,
+        "reference": "fixed-order solo" if run.options.kernels == "fixed-order" else "stock solo",
         "batch_sizes": list(run.options.batch_sizes),
         "max_new_tokens": run.max_new_tokens,
         "threshold": margin.tau if margin else None,
@@ -293,6 +300,8 @@ def record_verify(
     on_progress: ProgressFn,
     on_split: SplitFn,
     probe=None,
+    kernels: Kernels = STOCK,
+    fixed_probe=None,
 ) -> tuple[dict, bool]:
     """Decode, analyse and publish one verify run (or shard); (summary, whole run complete?)."""
 
@@ -310,6 +319,7 @@ def record_verify(
         on_progress,
         on_split,
         probe.plan if probe is not None else None,
+        kernels,
     ):
         writer.commit(
             index, {"steps": steps_table(records), "sequences": sequences_table(records)}, group_record(records)
@@ -329,6 +339,8 @@ def record_verify(
             "attn": lm.attn,
             "model_source": lm.source,
             **({"probe": probe.to_dict()} if probe is not None else {}),
+            "kernels": kernels.name,
+            **({"fixed_order": fixed_order_summary(fixed_probe)} if fixed_probe is not None else {}),
         },
         inputs=run.inputs,
     )
@@ -353,13 +365,16 @@ def run_verify(
     with output_dir(placement, out) as target, open_writer(run, specs, needle, target) as writer:
         lm = None if writer.finishing_only else load_with_status(options)
         probe = probe_if_invariant(lm, run)
+        kernels, fixed_probe = kernels_for_run(lm, run)
         with pass_progress(
             "solo (batch size 1)",
             f"batched x {len(specs)} policies",
             len(run.requests),
             len(options.batch_sizes) * len(specs),
         ) as advance:
-            summary, complete = record_verify(lm, run, specs, needle, required, writer, advance, warn_split, probe)
+            summary, complete = record_verify(
+                lm, run, specs, needle, required, writer, advance, warn_split, probe, kernels, fixed_probe
+            )
     if not placement.writes:
         return True
     if junit is not None:

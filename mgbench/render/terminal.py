@@ -203,7 +203,8 @@ def _determinism(value) -> str:
 def render_verify(console: Console, summary: dict) -> None:
     table = Table(
         title=f"mgbench verify: {summary['model']} on {summary['dataset']} "
-        f"({'needle' if summary['needle'] else 'batches'}, prefill {summary['prefill']})"
+        f"({'needle' if summary['needle'] else 'batches'}, prefill {summary['prefill']}); "
+        f"identical to {reference_label(summary)}"
     )
     for column in (
         "policy",
@@ -223,6 +224,7 @@ def render_verify(console: Console, summary: dict) -> None:
             str(row["sequences"]),
             str(row["identical"]),
             _determinism(row["determinism"]),
+            row.get("reference", "stock solo"),
             _pct(row["trigger_rate"]),
             str(row["repairs"]),
             _fmt(row.get("decode_s"), 3),
@@ -272,7 +274,17 @@ def render_compare(console: Console, summary: dict) -> None:
         title=f"mgbench compare: {summary['model']} on {summary['dataset']}, batch size {summary['batch_size']}, "
         f"{summary['sequences']} requests, median of {summary['repeats']}"
     )
-    for column in ("config", "decode s", "spread", "tok/s", "increment", "determinism", "triggers", "repairs"):
+    for column in (
+        "config",
+        "decode s",
+        "spread",
+        "tok/s",
+        "increment",
+        "determinism",
+        "against",
+        "triggers",
+        "repairs",
+    ):
         table.add_column(column, justify="right")
     for row in summary["configs"]:
         table.add_row(
@@ -282,10 +294,17 @@ def render_compare(console: Console, summary: dict) -> None:
             _fmt(row["tokens_per_s"], 3),
             _pct(row["increment"]),
             _determinism(row["determinism"]),
+            row.get("reference", "stock solo"),
             _pct(row["trigger_rate"]),
             _fmt(row["repairs"]),
         )
     console.print(table)
+    fixed = summary.get("fixed_order")
+    if fixed:
+        console.print(
+            f"fixed-order kernels: {fixed['plan']['attention']}; fixed-order solo equals stock solo on "
+            f"{fixed['stock_solo']['identical']}/{fixed['stock_solo']['requests']} sequences"
+        )
     for r in summary["reductions"]:
         if r["median"] is not None:
             console.print(
