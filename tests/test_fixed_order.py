@@ -1,0 +1,296 @@
+"""Fixed-order kernels (`--kernels fixed-order`): a start-aligned cache, attention whose reductions
+are fixed by construction, row-wise modules in probed forms; the reference is solo decoding through
+the same kernels.
+
+Controls: planted row-count and key-length dependences must be caught by the probe (and fall back
+to per row, after which the run is exact again); a batch of one equals its solo run by construction;
+batched logits equal an independent per-row computation through the same kernels; the attention
+agrees with a plain float64 softmax to rounding."""
+
+import json
+
+import pytest
+import torch
+from helpers import RowCountPerturbedLinear, plant_near_ties, random_prompts, tiny_llama
+from typer.testing import CliRunner
+
+from mgbench.cli import app
+from mgbench.engines.inprocess import fixed_order
+from mgbench.engines.inprocess.aligned_cache import StartAlignedCache
+from mgbench.engines.inprocess.fixed_order import FixedOrderPlan, fixed_order_attention
+from mgbench.engines.inprocess.fixed_order_probe import probe_fixed_order
+from mgbench.engines.inprocess.kernels import Kernels
+from mgbench.engines.inprocess.runners import run_free, run_solo, run_teacher_forced
+
+PAD_ID = 0
+LENGTHS = [5, 37, 70, 130, 12, 64, 65, 90]  # unequal, across 1-3 chunks of 64 keys
+runner = CliRunner()
+
+
+def gqa_model():
+    """Random-init bf16 Llama with grouped-query attention (4 heads over 2 K/V heads), planted near-ties."""
+    model = tiny_llama(kv_heads=2)
+    plant_near_ties(model)
+    return model
+
+
+def audit(model, prompts, kernels: Kernels, steps: int = 10):
+    """(solos, teacher-forced result, free-running result) of one batch through `kernels`."""
+    with torch.inference_mode(), kernels.active(model):
+        solos = [run_solo(model, p, steps, set(), kernels) for p in prompts]
+        forced = run_teacher_forced(model, prompts, solos, "alone", PAD_ID, kernels)
+        free = run_free(model, prompts, [s.row_prefill for s in solos], "alone", PAD_ID, steps, set(), kernels=kernels)
+    return solos, forced, free
+
+
+def flips_and_diffs(forced) -> tuple[int, float]:
+    return (
+        sum(int(r["flipped"].sum()) for r in forced.rows),
+        max(float(r["max_abs_logit_diff"].max()) for r in forced.rows),
+    )
+
+
+def test_aligned_cache_writes_each_row_at_its_own_positions():
+    layers = [
+        [(torch.full((1, 2, n, 4), float(r + 1)), torch.full((1, 2, n, 4), -float(r + 1)))]
+        for r, n in enumerate((3, 70))
+    ]
+    cache = StartAlignedCache.from_prefills(layers, extra=5, chunk=64)
+    assert cache.capacity == 128 and cache.lengths.tolist() == [3, 70]
+    cache.feed(torch.tensor([3, 70]))
+    new = torch.stack([torch.full((2, 1, 4), 10.0), torch.full((2, 1, 4), 20.0)])
+    keys, values = cache.update(new, -new, 0)
+    assert keys.shape == (2, 2, 2, 64, 4)  # 71 keys of the longest row: two chunks
+    row0 = cache.columns_of_row(0, 0, 4, torch.float32)[0, 0]  # [kv_heads, 4, dim]
+    assert row0[:, :3].eq(1.0).all() and row0[:, 3].eq(10.0).all()
+    row1 = cache.columns_of_row(1, 68, 3, torch.float32)[0, 1]
+    assert row1[:, :2].eq(-2.0).all() and row1[:, 2].eq(-20.0).all()
+    assert keys[0, 0, :, 4:].eq(0).all()  # nothing written past row 0's end
+
+
+def reference_attention(query, keys, values, positions, scaling, window=None):
+    """A plain float64 softmax over each query's visible keys, row by row (no chunks)."""
+    n, batch, kv_heads, chunk, dim = keys.shape
+    flat_k = keys.permute(1, 2, 0, 3, 4).reshape(batch, kv_heads, n * chunk, dim).double()
+    flat_v = values.permute(1, 2, 0, 3, 4).reshape(batch, kv_heads, n * chunk, dim).double()
+    heads, q = query.shape[1], query.shape[2]
+    out = torch.zeros(batch, q, heads, dim, dtype=torch.float64)
+    for b in range(batch):
+        for t in range(q):
+            p = int(positions[b, t])
+            lo = 0 if window is None else max(0, p - window + 1)
+            for h in range(heads):
+                k, v = flat_k[b, h // (heads // kv_heads), lo : p + 1], flat_v[b, h // (heads // kv_heads), lo : p + 1]
+                weights = torch.softmax(query[b, h, t].double() @ k.T * scaling, -1)
+                out[b, t, h] = weights @ v
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_attention_agrees_with_a_plain_softmax_and_each_row_alone_bitwise(window):
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 64, 65, 100, 130]
+    batch, q = len(lengths), 2
+    keys = torch.randn(3, batch, 2, 64, 16, generator=g)
+    values = torch.randn(3, batch, 2, 64, 16, generator=g)
+    query = torch.randn(batch, 4, q, 16, generator=g).to(torch.bfloat16)
+    positions = torch.tensor([[n - 2, n - 1] for n in lengths])
+    out = fixed_order_attention(query, keys, values, positions, 0.25, window)
+    expected = reference_attention(query, keys, values, positions, 0.25, window)
+    assert torch.allclose(out.double(), expected, atol=2e-2, rtol=2e-2)  # bf16 output rounding
+    for r, n in enumerate(lengths):
+        chunks = -(-n // 64)
+        alone = fixed_order_attention(
+            query[r : r + 1], keys[:chunks, r : r + 1], values[:chunks, r : r + 1], positions[r : r + 1], 0.25, window
+        )
+        assert torch.equal(alone[0], out[r])
+
+
+def test_batched_equals_fixed_order_solo_bitwise_where_stock_kernels_are_measured():
+    """Several batch sizes, unequal lengths, planted near-ties: 0 flips and 0 logit difference
+    against the fixed-order solo run. What the stock kernels do on the same batch is printed."""
+    model = gqa_model()
+    prompts = random_prompts(LENGTHS, vocab=8192, seed=3)
+    with torch.inference_mode():
+        kernels = Kernels("fixed-order", probe_fixed_order(model, prompts, rows=len(prompts)).plan)
+    for size in (2, 5, 8):
+        solos, forced, free = audit(model, prompts[:size], kernels)
+        assert flips_and_diffs(forced) == (0, 0.0)
+        assert free.tokens == [s.tokens.tolist() for s in solos]
+    _, stock, _ = audit(model, prompts, Kernels())
+    print("stock kernels on the same batch: flips, max |logit diff| =", flips_and_diffs(stock))
+
+
+def test_a_batch_of_one_equals_its_solo_run():
+    model = gqa_model()
+    [prompt] = random_prompts([50], vocab=8192, seed=4)
+    kernels = Kernels("fixed-order", FixedOrderPlan())
+    solos, forced, free = audit(model, [prompt], kernels)
+    assert flips_and_diffs(forced) == (0, 0.0) and free.tokens == [solos[0].tokens.tolist()]
+
+
+def test_batched_logits_equal_an_independent_per_row_computation():
+    """The batch in the probed plan against every part forced per row (attention alone over each
+    row's own chunks, every linear one row at a time): a different code path, the same bits."""
+    model = gqa_model()
+    prompts = random_prompts(LENGTHS[:6], vocab=8192, seed=5)
+    with torch.inference_mode():
+        plan = probe_fixed_order(model, prompts, rows=len(prompts)).plan
+    every_linear = {n: "per-row" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    per_row = FixedOrderPlan(forms=every_linear, attention="per-row")
+    solos, forced, _ = audit(model, prompts, Kernels("fixed-order", plan), steps=6)
+    _, by_row, _ = audit(model, prompts, Kernels("fixed-order", per_row), steps=6)
+    for a, b in zip(forced.rows, by_row.rows):
+        assert (a["batched_token"] == b["batched_token"]).all() and (a["margin"] == b["margin"]).all()
+        assert (a["max_abs_logit_diff"] == 0).all() and (b["max_abs_logit_diff"] == 0).all()
+
+
+@pytest.fixture()
+def planted_key_length_attention(monkeypatch):
+    """PLANTED VARIANCE: the batched attention offsets every output by the number of key chunks it
+    was handed (the batch's longest row, not the row's own): rows shorter than the longest differ."""
+    real = fixed_order.fixed_order_attention
+
+    def planted(query, keys, *args):
+        return real(query, keys, *args) + 0.05 * keys.shape[0]
+
+    monkeypatch.setattr(fixed_order, "fixed_order_attention", planted)
+
+
+def test_probe_rejects_a_planted_key_length_dependence_and_falls_back_per_row(planted_key_length_attention):
+    model = gqa_model()
+    prompts = random_prompts(LENGTHS, vocab=8192, seed=6)
+    with torch.inference_mode():
+        probe = probe_fixed_order(model, prompts, rows=len(prompts))
+    batched = next(v for v in probe.verdicts if v.part == "attention" and v.form == "batched")
+    assert not batched.exact and batched.rows_differing > 0
+    assert probe.plan.attention == "per-row"
+    assert any(line.startswith("attention: no batched form is exact") for line in probe.fallbacks)
+    # The fallback is exact; the form the probe refused is caught by the run itself.
+    _, forced, _ = audit(model, prompts, Kernels("fixed-order", probe.plan), steps=6)
+    assert flips_and_diffs(forced)[1] == 0.0
+    forced_batched = FixedOrderPlan(probe.plan.chunk, probe.plan.forms, "batched")
+    _, wrong, _ = audit(model, prompts, Kernels("fixed-order", forced_batched), steps=6)
+    assert flips_and_diffs(wrong)[1] > 0
+
+
+def test_probe_rejects_a_planted_row_count_dependent_linear():
+    """Past 4 rows the planted down projection offsets its output: neither as is nor "never one row"
+    is exact, so the probe runs it per row (and says so); with 1 row as the only exception, "never one
+    row" is exact, the form chosen where a machine's GEMM differs at one row only."""
+    for invariant_up_to, expected in ((4, "per-row"), (1, "never-one-row")):
+        model = gqa_model()
+        mlp = model.model.layers[1].mlp
+        mlp.down_proj = RowCountPerturbedLinear(mlp.down_proj, invariant_up_to=invariant_up_to)
+        prompts = random_prompts(LENGTHS, vocab=8192, seed=7)
+        with torch.inference_mode():
+            probe = probe_fixed_order(model, prompts, rows=len(prompts))
+        assert probe.plan.forms["model.layers.1.mlp.down_proj"] == expected
+        if expected == "per-row":
+            assert any("down_proj" in line and "per row" in line for line in probe.fallbacks)
+        _, forced, _ = audit(model, prompts, Kernels("fixed-order", probe.plan), steps=5)
+        assert flips_and_diffs(forced)[1] == 0.0
+
+
+def test_a_chunk_in_one_forward_equals_step_by_step_and_a_planted_query_count_dependence_is_caught(monkeypatch):
+    model = gqa_model()
+    prompts = random_prompts(LENGTHS[:4], vocab=8192, seed=8)
+    with torch.inference_mode():
+        assert probe_fixed_order(model, prompts, rows=4).chunk_vs_steps["exact"]
+    real = fixed_order.fixed_order_attention
+    monkeypatch.setattr(
+        fixed_order, "fixed_order_attention", lambda query, *a: real(query, *a) + 0.05 * (query.shape[2] > 1)
+    )
+    with torch.inference_mode():
+        check = probe_fixed_order(model, prompts, rows=4).chunk_vs_steps
+    assert not check["exact"] and check["rows_differing"] > 0
+
+
+@pytest.mark.slow
+def test_default_model_fixed_order_is_bitwise_its_solo_reference(default_lm, math500_prompts):
+    model = default_lm.model
+    prompts = [torch.tensor(p) for p in math500_prompts]
+    with torch.inference_mode():
+        probe = probe_fixed_order(model, prompts, rows=4)
+    assert probe.chunk_vs_steps["exact"]
+    kernels = Kernels("fixed-order", probe.plan)
+    for size in (2, 4):
+        solos, forced, free = audit(model, prompts[:size], kernels, steps=12)
+        assert flips_and_diffs(forced) == (0, 0.0)
+        assert free.tokens == [s.tokens.tolist() for s in solos]
+
+
+def test_cli_flips_fixed_order_names_its_reference(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(
+        app,
+        [
+            "flips",
+            "--model",
+            str(tiny_model_dir),
+            "--dataset",
+            "gsm8k",
+            "--limit",
+            "6",
+            "--batch-sizes",
+            "1,3,6",
+            "--max-new-tokens",
+            "8",
+            "--kernels",
+            "fixed-order",
+            "--out",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["kernels"] == "fixed-order" and summary["reference"] == "fixed-order solo"
+    assert summary["flips"] == 0 and summary["determinism"] == 1.0
+    fixed = summary["fixed_order"]
+    assert fixed["stock_solo"]["requests"] == 6 and 0 <= fixed["stock_solo"]["identical"] <= 6
+    assert fixed["chunk_vs_steps"]["exact"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["options"]["kernels"] == "fixed-order" and manifest["kernels"] == "fixed-order"
+    assert "solo decoding through the same fixed-order kernels" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["flips", "--kernels", "fixed-order", "--batch-invariant"], "choose one"),
+        (["flips", "--kernels", "fixed-order", "--prefill", "batched"], "prefills each request alone"),
+        (["flips", "--kernels", "fastest"], "--kernels 'fastest'"),
+        (["flips", "--kernels", "fixed-order", "--endpoint", "http://127.0.0.1:9"], "cannot apply to --endpoint"),
+        (["verify", "--kernels", "fixed-order", "--policy", "margin", "--threshold", "0.5"], "--policy none"),
+    ],
+)
+def test_cli_refuses_fixed_order_combinations_in_one_line(args, message, tmp_path):
+    result = runner.invoke(app, [*args, "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and message in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_probe_fixed_order_json(tiny_model_dir, tmp_path):
+    result = runner.invoke(
+        app,
+        [
+            "probe",
+            "--model",
+            str(tiny_model_dir),
+            "--kernels",
+            "fixed-order",
+            "--rows",
+            "4",
+            "--dataset",
+            "gsm8k",
+            "--json",
+            "--out",
+            str(tmp_path / "p"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)
+    assert found["kind"] == "mgbench.fixed_order_probe" and found["batch_sizes"] == [1, 2, 3, 4]
+    parts = {v["part"] for v in found["verdicts"]}
+    assert "attention" in parts and any(p.startswith("linear lm_head") for p in parts)
+    assert all(sum(v["chosen"] for v in found["verdicts"] if v["part"] == p) == 1 for p in parts)
