@@ -1,13 +1,18 @@
-"""Plain batched vs batch-invariant decoding at serving batch sizes, side by side in one process.
+"""Plain batched decoding, fixed-order kernels and the batch-invariant mode side by side, in one process.
 
 For each batch size: the same requests (the first B of one seeded sample), prefilled alone once
-and shared; free-running decode steps timed plain and in the batch-invariant mode (median of
---repeats, after a warm-up); sequence determinism of both against solo decoding; and, in the mode,
-the teacher-forced logits of every row and step compared with solo bitwise. The plan comes from
-the probe at that batch size (what `--batch-invariant` runs): its attention form and the
-row-wise modules it runs in an exact form (those that varied with the row count) are printed.
+and shared; free-running decode steps timed in each mode, the modes interleaved in every repeat
+(median of --repeats, after a warm-up); sequence determinism of each mode against ITS reference;
+and the teacher-forced logits of every row and step compared with that reference bitwise.
+
+- plain: stock kernels; reference stock solo.
+- fixed-order: every forward in the fixed-order kernels (`--kernels fixed-order`, planned by its
+  probe at that batch size); reference solo through the same kernels.
+- batch-invariant: stock kernels, each row made to reproduce stock solo (`--batch-invariant`,
+  planned by its probe); reference stock solo.
 
     .venv/bin/python examples/bench_batch_invariant.py --batch-sizes 8,32,64 --max-new-tokens 32
+    .venv/bin/python examples/bench_batch_invariant.py --modes plain,fixed-order --dataset gsm8k
 """
 
 from __future__ import annotations
@@ -23,15 +28,24 @@ from mgbench.assets import datasets
 from mgbench.assets.models import load_model
 from mgbench.engines.inprocess.audit import eos_token_ids, pad_token_id
 from mgbench.engines.inprocess.batch_invariant import decoding_mode
+from mgbench.engines.inprocess.fixed_order_probe import probe_fixed_order
 from mgbench.engines.inprocess.invariance_probe import probe_model
+from mgbench.engines.inprocess.kernels import STOCK, Kernels
 from mgbench.engines.inprocess.runners import row_prefills, run_free, run_solo, run_teacher_forced
 from mgbench.runs.machine import cpu_name
 
+MODES = ("plain", "fixed-order", "batch-invariant")
 
-def median_decode_seconds(run, repeats: int) -> tuple[float, list[list[int]]]:
-    run()  # warm-up
-    results = [run() for _ in range(repeats)]
-    return statistics.median(r.decode_seconds for r in results), results[0].tokens
+
+def interleaved(runs: dict, repeats: int) -> dict:
+    """mode -> (median decode seconds, tokens of the first repeat); every mode once per repeat."""
+    for run in runs.values():
+        run()  # warm-up
+    results = {mode: [] for mode in runs}
+    for _ in range(repeats):
+        for mode, run in runs.items():
+            results[mode].append(run())
+    return {mode: (statistics.median(r.decode_seconds for r in rs), rs[0].tokens) for mode, rs in results.items()}
 
 
 def determinism(tokens: list[list[int]], solo: list[list[int]]) -> float:
@@ -55,10 +69,12 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="8,32,64")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default=",".join(MODES), help="plain is always run (the increments' base)")
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    console = Console(width=200)  # one line per batch size, also in a log file
+    modes = ["plain"] + [m for m in args.modes.split(",") if m in MODES and m != "plain"]
+    console = Console(width=220)  # one line per batch size and mode, also in a log file
     lm = load_model(args.model, "bf16", args.device, "sdpa")
     model, n = lm.model, args.max_new_tokens
     config = datasets.load_config(args.dataset)
@@ -66,53 +82,74 @@ def main() -> None:
     prompts = [torch.tensor(datasets.encode(lm.tokenizer, config, r.text), device=lm.device) for r in requests]
     eos = eos_token_ids(model, lm.tokenizer)
     pad = pad_token_id(lm.tokenizer, eos)
-    table = Table(title=f"plain vs batch-invariant decoding: {args.model}, {args.dataset}, {n} tokens, {cpu_name()}")
+    table = Table(title=f"decoding modes side by side: {args.model}, {args.dataset}, {n} tokens, {cpu_name()}")
     for column in (
         "batch",
-        "attention form",
-        "row-wise modules changed",
-        "plain tok/s",
-        "invariant tok/s",
-        "decode time",
-        "plain determinism",
-        "invariant determinism",
-        "logit rows != solo",
+        "mode",
+        "reference",
+        "forms",
+        "tok/s",
+        "decode time vs plain",
+        "determinism",
+        "logit rows != reference",
     ):
         table.add_column(column)
     with torch.inference_mode():
         solos = [run_solo(model, p, n, eos) for p in prompts]
         prefills = row_prefills(model, prompts)
         for size in sizes:
-            batch, batch_prefills, batch_solos = prompts[:size], prefills[:size], solos[:size]
-            longest = max(batch, key=len)[:384]
-            plan = probe_model(model, longest, rows=max(2, size)).plan
-            plain_s, plain_tokens = median_decode_seconds(
-                lambda: run_free(model, batch, batch_prefills, "alone", pad, n, eos), args.repeats
+            batch, batch_prefills = prompts[:size], prefills[:size]
+            runs, checks, forms = (
+                {"plain": lambda: run_free(model, batch, batch_prefills, "alone", pad, n, eos)},
+                {},
+                {},
             )
+            checks["plain"] = (STOCK, None, solos[:size])
+            forms["plain"] = "stock"
+            if "fixed-order" in modes:
+                fixed = Kernels("fixed-order", probe_fixed_order(model, prompts, rows=max(2, size)).plan)
+                with fixed.active(model):
+                    fixed_solos = [run_solo(model, p, n, eos, fixed) for p in batch]
 
-            def invariant():
-                with decoding_mode(model, batch, plan):
-                    return run_free(model, batch, batch_prefills, "alone", pad, n, eos)
+                fixed_prefills = [s.row_prefill for s in fixed_solos]  # its prefills run in its kernels too
 
-            invariant_s, invariant_tokens = median_decode_seconds(invariant, args.repeats)
-            with decoding_mode(model, batch, plan):
-                forced = run_teacher_forced(model, batch, batch_solos, "alone", pad)
-            differing = sum(int((row["max_abs_logit_diff"] != 0).sum()) for row in forced.rows)
-            steps = sum(len(row["max_abs_logit_diff"]) for row in forced.rows)
-            solo_tokens = [s.tokens.tolist() for s in batch_solos]
-            generated = sum(len(t) - 1 for t in plain_tokens)  # decode steps after the prefill's token
-            table.add_row(
-                str(size),
-                plan.attention.label,
-                modules_changed(plan),
-                f"{generated / plain_s:.1f}",
-                f"{sum(len(t) - 1 for t in invariant_tokens) / invariant_s:.1f}",
-                f"{invariant_s / plain_s - 1:+.1%} ({plain_s:.2f} s vs {invariant_s:.2f} s)",
-                f"{determinism(plain_tokens, solo_tokens):.2%}",
-                f"{determinism(invariant_tokens, solo_tokens):.2%}",
-                f"{differing}/{steps}",
-            )
-            console.print(f"batch {size}: done", style="dim")
+                def fixed_run():
+                    with fixed.active(model):
+                        return run_free(model, batch, fixed_prefills, "alone", pad, n, eos, kernels=fixed)
+
+                runs["fixed-order"], checks["fixed-order"] = fixed_run, (fixed, None, fixed_solos)
+                described = fixed.plan.describe()
+                forms["fixed-order"] = f"attention {fixed.plan.attention}; " + (
+                    ", ".join(f"{k} x{v}" for k, v in described["modules"].items()) or "modules as is"
+                )
+            if "batch-invariant" in modes:
+                plan = probe_model(model, max(batch, key=len)[:384], rows=max(2, size)).plan
+
+                def invariant_run(plan=plan):
+                    with decoding_mode(model, batch, plan):
+                        return run_free(model, batch, batch_prefills, "alone", pad, n, eos)
+
+                runs["batch-invariant"], checks["batch-invariant"] = invariant_run, (STOCK, plan, solos[:size])
+                forms["batch-invariant"] = f"{plan.attention.label}; {modules_changed(plan)}"
+            timed = interleaved(runs, args.repeats)
+            plain_s = timed["plain"][0]
+            for mode, (seconds, tokens) in timed.items():
+                kernels, plan, references = checks[mode]
+                with decoding_mode(model, batch, plan), kernels.active(model):
+                    forced = run_teacher_forced(model, batch, references, "alone", pad, kernels)
+                differing = sum(int((row["max_abs_logit_diff"] != 0).sum()) for row in forced.rows)
+                steps = sum(len(row["max_abs_logit_diff"]) for row in forced.rows)
+                table.add_row(
+                    str(size),
+                    mode,
+                    "fixed-order solo" if mode == "fixed-order" else "stock solo",
+                    forms[mode],
+                    f"{sum(len(t) - 1 for t in tokens) / seconds:.1f}",
+                    f"{seconds / plain_s - 1:+.1%} ({seconds:.2f} s vs {plain_s:.2f} s)",
+                    f"{determinism(tokens, [s.tokens.tolist() for s in references]):.2%}",
+                    f"{differing}/{steps}",
+                )
+                console.print(f"batch {size} {mode}: {seconds:.2f} s ({seconds / plain_s - 1:+.1%})", style="dim")
     console.print(table)
 
 

@@ -104,6 +104,7 @@ def test_compare_harness_excludes_warmup_and_reports_every_config(compare_run_di
         "margin<0.05/exact",
         "oracle/column",
         "oracle/exact",
+        "fixed-order kernels",
         "batch-invariant",
         "solo",
     ]
@@ -128,6 +129,12 @@ def test_batch_invariant_baseline_is_exact(compare_run_dir):
     by = {c["config"]: c for c in summary["configs"]}
     assert by["none"]["determinism"] < 1.0, "the planted head varies with the row count"
     assert by["batch-invariant"]["determinism"] == 1.0, "the probe plans the planted head per row"
+    # The planted head differs at every row count above one: "never one row" runs it exact, and the
+    # fixed-order configuration is measured against its own reference (solo through the same kernels).
+    fixed = by["fixed-order kernels"]
+    assert fixed["determinism"] == 1.0 and fixed["reference"] == "fixed-order solo"
+    assert {by[c]["reference"] for c in by if c != "fixed-order kernels"} == {"stock solo"}
+    assert summary["fixed_order"]["stock_solo"]["requests"] == summary["sequences"]
     assert summary["batch_invariant"]["exact_on_probe"] is True
 
 

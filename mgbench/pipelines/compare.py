@@ -4,7 +4,8 @@ Configurations: `none` (plain batched), `always`, `margin<TAU` and `oracle`, eac
 and `exact` repair; `batch-invariant` (stock kernels, each row made to reproduce stock solo
 decoding, as planned by a probe); `fixed-order kernels` (every forward in kernels whose reduction
 order is fixed by construction: determinism against solo through the same kernels, the road vLLM
-and SGLang deploy); and `solo` (each request alone, sequentially). Every row names its reference. Every configuration decodes the same batches after
+and SGLang deploy); and `solo` (each request alone, sequentially). Every row names its reference.
+Every configuration decodes the same batches after
 one warm-up pass; prefill is done alone once and shared, so timings cover the decode steps.
 """
 
@@ -63,7 +64,7 @@ def reference_of(config: Config) -> str:
 
 
 def _decode_config(
-    config: Config, lm, batches, solos, run: PreparedRun, eos_ids, pad_id, stopwatch, plan: InvariancePlan, kernels
+    config: Config, lm, batches, solos, run: PreparedRun, eos_ids, pad_id, stopwatch, plan: InvariancePlan, fixed
 ):
     """Decode every batch under one configuration: (seconds, outputs per request, triggers, repairs)."""
     model = lm.model
@@ -80,6 +81,9 @@ def _decode_config(
             with decoding_mode(model, prompts, plan):
                 free = run_free(model, prompts, prefills, "alone", pad_id, run.max_new_tokens, eos_ids)
         elif config.name == "fixed-order kernels":
+            # Its rows start from the fixed-order solo runs' prefills: the same computation, in its kernels.
+            kernels, fixed_solos = fixed
+            prefills = [fixed_solos[i].row_prefill for i in members]
             with kernels.active(model):
                 free = run_free(model, prompts, prefills, "alone", pad_id, run.max_new_tokens, eos_ids, kernels=kernels)
         else:
@@ -146,13 +150,15 @@ def time_configurations(
         }
         on_progress("solo", len(order))
         for config in configs:  # warm-up pass on the first batch, not recorded
-            _decode_config(config, lm, batches[:1], solos, run, eos_ids, pad_id, None, probe.plan, kernels)
+            _decode_config(
+                config, lm, batches[:1], solos, run, eos_ids, pad_id, None, probe.plan, (kernels, fixed_solos)
+            )
         on_progress("warmup", 1)
         for repeat in range(repeats):
             for config in configs:
                 stopwatch = Stopwatch(device) if repeat == 0 and config.spec is not None else None
                 seconds, outputs, triggers, repairs = _decode_config(
-                    config, lm, batches, solos, run, eos_ids, pad_id, stopwatch, probe.plan, kernels
+                    config, lm, batches, solos, run, eos_ids, pad_id, stopwatch, probe.plan, (kernels, fixed_solos)
                 )
                 reference = references[reference_of(config)]
                 identical = sum(first_divergence(reference[i], outputs[i]) is None for i in order)
