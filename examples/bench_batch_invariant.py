@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from rich.console import Console
@@ -62,10 +64,27 @@ def modules_changed(plan) -> str:
     return "; ".join(f"{kind} x{count}: {label}" for (kind, label), count in sorted(kinds.items())) or "none"
 
 
+@dataclass
+class Decoded:
+    decode_seconds: float
+    tokens: list[list[int]]
+
+
+def over_batches(decode, batches) -> Callable[[], Decoded]:
+    """Decode every batch in turn: decode seconds summed, tokens in request order."""
+
+    def run() -> Decoded:
+        results = [decode(members) for members in batches]
+        return Decoded(sum(r.decode_seconds for r in results), [t for r in results for t in r.tokens])
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dataset", default="math500")
+    parser.add_argument("--limit", type=int, default=64, help="requests, decoded in batches of each size")
     parser.add_argument("--batch-sizes", default="8,32,64")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
@@ -78,11 +97,14 @@ def main() -> None:
     lm = load_model(args.model, "bf16", args.device, "sdpa")
     model, n = lm.model, args.max_new_tokens
     config = datasets.load_config(args.dataset)
-    requests = datasets.select_requests(config, datasets.read_records(config), max(sizes), seed=0)
+    requests = datasets.select_requests(config, datasets.read_records(config), args.limit, seed=0)
     prompts = [torch.tensor(datasets.encode(lm.tokenizer, config, r.text), device=lm.device) for r in requests]
     eos = eos_token_ids(model, lm.tokenizer)
     pad = pad_token_id(lm.tokenizer, eos)
-    table = Table(title=f"decoding modes side by side: {args.model}, {args.dataset}, {n} tokens, {cpu_name()}")
+    table = Table(
+        title=f"decoding modes side by side: {args.model}, {args.dataset}, {len(prompts)} requests, {n} tokens, "
+        f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})"
+    )
     for column in (
         "batch",
         "mode",
@@ -97,48 +119,65 @@ def main() -> None:
     with torch.inference_mode():
         solos = [run_solo(model, p, n, eos) for p in prompts]
         prefills = row_prefills(model, prompts)
-        for size in sizes:
-            batch, batch_prefills = prompts[:size], prefills[:size]
-            runs, checks, forms = (
-                {"plain": lambda: run_free(model, batch, batch_prefills, "alone", pad, n, eos)},
-                {},
-                {},
+        references = {"plain": solos, "batch-invariant": solos}
+        if "fixed-order" in modes:  # one probe covers every batch size up to the largest
+            probe = probe_fixed_order(model, prompts, rows=max(2, max(sizes)))
+            fixed = Kernels("fixed-order", probe.plan)
+            with fixed.active(model):
+                references["fixed-order"] = [run_solo(model, p, n, eos, fixed) for p in prompts]
+            fixed_prefills = [s.row_prefill for s in references["fixed-order"]]  # its prefills run in its kernels
+            described = probe.plan.describe()
+            fixed_forms = f"attention {probe.plan.attention}; " + (
+                ", ".join(f"{k} x{v}" for k, v in described["modules"].items()) or "modules as is"
             )
-            checks["plain"] = (STOCK, None, solos[:size])
-            forms["plain"] = "stock"
+            console.print(f"fixed-order probe: {fixed_forms}; chunk vs steps {probe.chunk_vs_steps}", style="dim")
+        for size in sizes:
+            batches = [list(range(s, min(s + size, len(prompts)))) for s in range(0, len(prompts), size)]
+
+            def take(values, members):
+                return [values[i] for i in members]
+
+            decoders = {"plain": lambda m: run_free(model, take(prompts, m), take(prefills, m), "alone", pad, n, eos)}
+            kernels_of, plans, forms = {"plain": STOCK}, {}, {"plain": "stock"}
             if "fixed-order" in modes:
-                fixed = Kernels("fixed-order", probe_fixed_order(model, prompts, rows=max(2, size)).plan)
-                with fixed.active(model):
-                    fixed_solos = [run_solo(model, p, n, eos, fixed) for p in batch]
 
-                fixed_prefills = [s.row_prefill for s in fixed_solos]  # its prefills run in its kernels too
-
-                def fixed_run():
+                def fixed_decode(m):
                     with fixed.active(model):
-                        return run_free(model, batch, fixed_prefills, "alone", pad, n, eos, kernels=fixed)
+                        return run_free(
+                            model, take(prompts, m), take(fixed_prefills, m), "alone", pad, n, eos, kernels=fixed
+                        )
 
-                runs["fixed-order"], checks["fixed-order"] = fixed_run, (fixed, None, fixed_solos)
-                described = fixed.plan.describe()
-                forms["fixed-order"] = f"attention {fixed.plan.attention}; " + (
-                    ", ".join(f"{k} x{v}" for k, v in described["modules"].items()) or "modules as is"
-                )
+                decoders["fixed-order"], kernels_of["fixed-order"] = fixed_decode, fixed
+                forms["fixed-order"] = fixed_forms
             if "batch-invariant" in modes:
-                plan = probe_model(model, max(batch, key=len)[:384], rows=max(2, size)).plan
+                plans = {
+                    tuple(m): probe_model(model, max(take(prompts, m), key=len)[:384], rows=max(2, len(m))).plan
+                    for m in batches
+                }
 
-                def invariant_run(plan=plan):
-                    with decoding_mode(model, batch, plan):
-                        return run_free(model, batch, batch_prefills, "alone", pad, n, eos)
+                def invariant_decode(m):
+                    with decoding_mode(model, take(prompts, m), plans[tuple(m)]):
+                        return run_free(model, take(prompts, m), take(prefills, m), "alone", pad, n, eos)
 
-                runs["batch-invariant"], checks["batch-invariant"] = invariant_run, (STOCK, plan, solos[:size])
-                forms["batch-invariant"] = f"{plan.attention.label}; {modules_changed(plan)}"
-            timed = interleaved(runs, args.repeats)
+                decoders["batch-invariant"], kernels_of["batch-invariant"] = invariant_decode, STOCK
+                first = plans[tuple(batches[0])]
+                forms["batch-invariant"] = f"{first.attention.label}; {modules_changed(first)}"
+            timed = interleaved({mode: over_batches(d, batches) for mode, d in decoders.items()}, args.repeats)
             plain_s = timed["plain"][0]
             for mode, (seconds, tokens) in timed.items():
-                kernels, plan, references = checks[mode]
-                with decoding_mode(model, batch, plan), kernels.active(model):
-                    forced = run_teacher_forced(model, batch, references, "alone", pad, kernels)
-                differing = sum(int((row["max_abs_logit_diff"] != 0).sum()) for row in forced.rows)
-                steps = sum(len(row["max_abs_logit_diff"]) for row in forced.rows)
+                kernels, differing, steps = kernels_of[mode], 0, 0
+                for m in batches:
+                    with (
+                        decoding_mode(
+                            model, take(prompts, m), plans.get(tuple(m)) if mode == "batch-invariant" else None
+                        ),
+                        kernels.active(model),
+                    ):
+                        forced = run_teacher_forced(
+                            model, take(prompts, m), take(references[mode], m), "alone", pad, kernels
+                        )
+                    differing += sum(int((row["max_abs_logit_diff"] != 0).sum()) for row in forced.rows)
+                    steps += sum(len(row["max_abs_logit_diff"]) for row in forced.rows)
                 table.add_row(
                     str(size),
                     mode,
@@ -146,7 +185,7 @@ def main() -> None:
                     forms[mode],
                     f"{sum(len(t) - 1 for t in tokens) / seconds:.1f}",
                     f"{seconds / plain_s - 1:+.1%} ({seconds:.2f} s vs {plain_s:.2f} s)",
-                    f"{determinism(tokens, [s.tokens.tolist() for s in references]):.2%}",
+                    f"{determinism(tokens, [s.tokens.tolist() for s in references[mode]]):.2%}",
                     f"{differing}/{steps}",
                 )
                 console.print(f"batch {size} {mode}: {seconds:.2f} s ({seconds / plain_s - 1:+.1%})", style="dim")

@@ -120,11 +120,11 @@ def flips(
 
         mgbench flips --limit 64 --out runs/m --resume
 
-        # expect 0 flips: batched rows reproduce stock solo decoding (at about solo cost)
+        # 0 flips: batched rows reproduce stock solo (about solo cost)
 
         mgbench flips --batch-invariant --limit 16 --max-new-tokens 32
 
-        # expect 0 flips against solo through the same fixed-order kernels (the deployed road)
+        # 0 flips against solo through the same fixed-order kernels
 
         mgbench flips --kernels fixed-order --limit 16 --max-new-tokens 32
 
