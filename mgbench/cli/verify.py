@@ -110,7 +110,8 @@ def verify(
 
         # against solo through the same fixed-order kernels
 
-        mgbench verify --kernels fixed-order --policy none --require-determinism 1.0
+        mgbench verify --kernels fixed-order --policy none \\
+            --require-determinism 1.0
     """
     with user_errors(debug):
         sizes = parse_batch_sizes(batch_sizes)
