@@ -105,6 +105,11 @@ def test_compare_harness_excludes_warmup_and_reports_every_config(compare_run_di
         "oracle/column",
         "oracle/exact",
         "fixed-order kernels",
+        "none (start-aligned)",
+        "window W=16",
+        "window W=64",
+        "margin<0.05/replay",
+        "margin<0.05/replay (no end check)",
         "batch-invariant",
         "solo",
     ]
@@ -135,6 +140,12 @@ def test_batch_invariant_baseline_is_exact(compare_run_dir):
     assert fixed["determinism"] == 1.0 and fixed["reference"] == "fixed-order solo"
     assert {by[c]["reference"] for c in by if c != "fixed-order kernels"} == {"stock solo"}
     assert summary["fixed_order"]["stock_solo"]["requests"] == summary["sequences"]
+    # Replay verification against the fixed-order reference: exact with the end check, by construction.
+    for config in ("window W=16", "window W=64", "margin<0.05/replay"):
+        assert by[config]["determinism"] == 1.0 and by[config]["reference"] == "fixed-order solo"
+        assert by[config]["replayed"] > 0
+    pairs = {(r["window"], r["gate"]) for r in summary["replay_reductions"]}
+    assert ("window W=64", "margin<0.05/replay") in pairs
     assert summary["batch_invariant"]["exact_on_probe"] is True
 
 

@@ -294,3 +294,51 @@ def test_cli_probe_fixed_order_json(tiny_model_dir, tmp_path):
     parts = {v["part"] for v in found["verdicts"]}
     assert "attention" in parts and any(p.startswith("linear lm_head") for p in parts)
     assert all(sum(v["chosen"] for v in found["verdicts"] if v["part"] == p) == 1 for p in parts)
+
+
+def tiny_gemma3(window: int = 16):
+    """Random-init bf16 Gemma 3 (QK-norm, a sliding-window layer whose window the prompts exceed, one
+    K/V head for four query heads), planted near-ties."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=8192,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    model = Gemma3ForCausalLM(config).to(torch.bfloat16).eval()
+    plant_near_ties(model)
+    return model
+
+
+def test_gemma3_sliding_window_and_qk_norm_fixed_order_is_bitwise_its_solo():
+    """A second architecture: the sliding layer's window (16) is shorter than every prompt, so the
+    attention's window mask is exercised; it also agrees with Gemma's own attention to rounding."""
+    model = tiny_gemma3()
+    prompts = random_prompts([20, 40, 70, 100, 33], vocab=8192, seed=9)
+    with torch.inference_mode():
+        probe = probe_fixed_order(model, prompts, rows=len(prompts))
+    assert probe.chunk_vs_steps["exact"]
+    kernels = Kernels("fixed-order", probe.plan)
+    solos, forced, free = audit(model, prompts, kernels, steps=8)
+    assert flips_and_diffs(forced) == (0, 0.0)
+    assert free.tokens == [s.tokens.tolist() for s in solos]
+    # The first decode step (same prefill, same fed token) agrees with Gemma's own SDPA attention, its
+    # window mask included, to bf16 rounding: the fixed-order kernels change bits, not the computation.
+    with torch.inference_mode():
+        for prompt, solo in zip(prompts, solos):
+            stock = run_solo(model, prompt, 2, set())
+            assert torch.equal(stock.logits[0], solo.logits[0])  # the prefill alone: the same call
+            assert torch.allclose(stock.logits[1].float(), solo.logits[1].float(), atol=0.05, rtol=0.02)

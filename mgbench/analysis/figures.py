@@ -127,6 +127,8 @@ def verify_by_policy(sequences: pd.DataFrame, seconds: dict[tuple[str, int], flo
     )
     table["determinism"] = table["identical"] / table["sequences"]
     table["trigger_rate"] = table["triggers"] / table["steps"].where(table["steps"] > 0)
+    if "replayed" in table:  # tokens replayed by verification per emitted token
+        table["replayed_per_token"] = table["replayed"] / table["tokens"].where(table["tokens"] > 0)
     if seconds is not None:
         table["decode_s"] = [seconds.get((p, b), float("nan")) for p, b in zip(table["policy"], table["batch_size"])]
     return table
@@ -222,42 +224,48 @@ def compare_table(runs: pd.DataFrame) -> pd.DataFrame:
             triggers=("triggers", "median"),
             repairs=("repairs", "median"),
             **({"reference": ("reference", "first")} if "reference" in runs else {}),
+            **(
+                {"replayed": ("replayed", "median"), "discarded": ("discarded", "median")} if "replayed" in runs else {}
+            ),
         )
         .reset_index()
     )
     table["tokens_per_s"] = table["tokens"] / table["seconds"]
     table["determinism"] = table["identical"] / table["sequences"]
     table["trigger_rate"] = table["triggers"] / table["steps"].where(table["steps"] > 0)
+    if "replayed" in table:  # tokens replayed by verification per emitted token
+        table["replayed_per_token"] = table["replayed"] / table["tokens"].where(table["tokens"] > 0)
     return table
 
 
-def reductions(runs: pd.DataFrame, repair: str) -> dict:
-    """increment(always/R) / increment(margin/R) per repeat, with its median and spread."""
+def reduction_between(runs: pd.DataFrame, baseline: str, gate: str) -> dict:
+    """increment(baseline) / increment(gate) per repeat (both over `none`), with its median and spread."""
     by = runs.set_index(["config", "repeat"])["seconds"]
     values = []
     for repeat in sorted(runs["repeat"].unique()):
         try:
             base = by[("none", repeat)]
-            always = latency_increment(by[(f"always/{repair}", repeat)], base)
-            gate = latency_increment(
-                by[
-                    (
-                        next(c for c in runs["config"].unique() if c.startswith("margin") and c.endswith(f"/{repair}")),
-                        repeat,
-                    )
-                ],
-                base,
+            values.append(
+                increment_reduction(
+                    latency_increment(by[(baseline, repeat)], base), latency_increment(by[(gate, repeat)], base)
+                )
             )
-        except (KeyError, StopIteration):
+        except KeyError:
             continue
-        values.append(increment_reduction(always, gate))
     measured = pd.Series([v for v in values if v is not None], dtype=float)
     if measured.empty:
-        return {"repair": repair, "median": None, "min": None, "max": None, "per_repeat": values}
+        return {"median": None, "min": None, "max": None, "per_repeat": values}
     return {
-        "repair": repair,
         "median": float(measured.median()),
         "min": float(measured.min()),
         "max": float(measured.max()),
         "per_repeat": values,
     }
+
+
+def reductions(runs: pd.DataFrame, repair: str) -> dict:
+    """increment(always/R) / increment(margin/R) per repeat, with its median and spread."""
+    gate = next((c for c in runs["config"].unique() if c.startswith("margin") and c.endswith(f"/{repair}")), None)
+    if gate is None:
+        return {"repair": repair, "median": None, "min": None, "max": None, "per_repeat": []}
+    return {"repair": repair, **reduction_between(runs, f"always/{repair}", gate)}

@@ -27,6 +27,7 @@ from mgbench.engines.inprocess.audit import eos_token_ids, pad_token_id
 from mgbench.engines.inprocess.batch_invariant import InvariancePlan, decoding_mode
 from mgbench.engines.inprocess.kernels import Kernels
 from mgbench.engines.inprocess.policies import MarginGate, PolicySpec
+from mgbench.engines.inprocess.replay import ReplaySpec, run_replay_verified
 from mgbench.engines.inprocess.runners import run_free, run_solo, synchronize
 from mgbench.engines.inprocess.step import StepContext
 from mgbench.engines.inprocess.stopwatch import Stopwatch
@@ -44,10 +45,25 @@ from mgbench.runs.placement import Placement
 BREAKDOWN = ("gate", "decision_sync", "reference_forward", "cache_ops")
 
 
+WINDOWS = (16, 64)  # LLM-42's window sizes compared (64 is its default)
+
+
 @dataclass(frozen=True)
 class Config:
     name: str
-    spec: PolicySpec | None  # None: a baseline (solo, batch-invariant)
+    spec: PolicySpec | None  # None: a baseline (solo, batch-invariant) or a replay-verified policy
+    replay: ReplaySpec | None = None  # verification by replay against the fixed-order reference
+
+
+def replay_specs(tau: float, unit: str) -> list[ReplaySpec]:
+    """LLM-42's window at two sizes, MarginGate on the same reference with and without the end
+    check, and the same stock decoding unverified (what the replays' increments are made of)."""
+    return [
+        ReplaySpec("none"),
+        *(ReplaySpec("window", window=w) for w in WINDOWS),
+        ReplaySpec("margin", tau=tau, unit=unit),
+        ReplaySpec("margin", tau=tau, unit=unit, end_check=False),
+    ]
 
 
 def configurations(tau: float, unit: str) -> list[Config]:
@@ -56,20 +72,35 @@ def configurations(tau: float, unit: str) -> list[Config]:
         for repair in ("column", "exact"):
             spec = PolicySpec(kind, repair, tau if kind == "margin" else None, unit)
             configs.append(Config(spec.label, spec))
-    return configs + [Config("fixed-order kernels", None), Config("batch-invariant", None), Config("solo", None)]
+    configs += [Config("fixed-order kernels", None)]
+    configs += [Config(spec.label, None, spec) for spec in replay_specs(tau, unit)]
+    return configs + [Config("batch-invariant", None), Config("solo", None)]
 
 
 def reference_of(config: Config) -> str:
-    return "fixed-order solo" if config.name == "fixed-order kernels" else "stock solo"
+    return "fixed-order solo" if config.name == "fixed-order kernels" or config.replay else "stock solo"
 
 
 def _decode_config(
     config: Config, lm, batches, solos, run: PreparedRun, eos_ids, pad_id, stopwatch, plan: InvariancePlan, fixed
 ):
-    """Decode every batch under one configuration: (seconds, outputs per request, triggers, repairs)."""
+    """Decode every batch under one configuration: (seconds, outputs per request, triggers, repairs,
+    replay counts: {"replayed", "discarded"})."""
     model = lm.model
-    seconds, outputs, triggers, repairs = 0.0, {}, 0, 0
+    seconds, outputs, triggers, repairs, counts = 0.0, {}, 0, 0, {"replayed": 0, "discarded": 0}
     for members, prompts in batches:
+        if config.replay is not None:  # replays count as triggers, rollbacks as repairs
+            kernels, fixed_solos = fixed
+            prefills = [fixed_solos[i].row_prefill for i in members]
+            result = run_replay_verified(
+                model, prompts, pad_id, run.max_new_tokens, eos_ids, config.replay, kernels, prefills
+            )
+            seconds += result.decode_seconds
+            triggers, repairs = triggers + sum(result.verifications), repairs + sum(result.rollbacks)
+            counts["replayed"] += sum(result.replayed)
+            counts["discarded"] += sum(result.discarded)
+            outputs.update(dict(zip(members, result.tokens)))
+            continue
         if config.name == "solo":
             for i, prompt in zip(members, prompts):
                 result = run_solo(model, prompt, run.max_new_tokens, eos_ids)
@@ -95,7 +126,7 @@ def _decode_config(
         triggers += sum(map(sum, free.triggered))
         repairs += sum(map(sum, free.repaired))
         outputs.update(dict(zip(members, free.tokens)))
-    return seconds, outputs, triggers, repairs
+    return seconds, outputs, triggers, repairs, counts
 
 
 def gate_cost(lm, batches, solos, tau: float, unit: str, repeats: int = 50) -> dict:
@@ -157,7 +188,7 @@ def time_configurations(
         for repeat in range(repeats):
             for config in configs:
                 stopwatch = Stopwatch(device) if repeat == 0 and config.spec is not None else None
-                seconds, outputs, triggers, repairs = _decode_config(
+                seconds, outputs, triggers, repairs, counts = _decode_config(
                     config, lm, batches, solos, run, eos_ids, pad_id, stopwatch, probe.plan, (kernels, fixed_solos)
                 )
                 reference = references[reference_of(config)]
@@ -179,6 +210,7 @@ def time_configurations(
                         "steps": sum(len(outputs[i]) for i in order),
                         "triggers": triggers,
                         "repairs": repairs,
+                        **counts,
                         **{
                             f"t_{name}": (stopwatch.seconds.get(name, 0.0) if stopwatch else None) for name in BREAKDOWN
                         },
@@ -254,6 +286,13 @@ def run_compare(
         **extra,
         "configs": [{k: clean(v) for k, v in row.items()} for row in table.to_dict("records")],
         "reductions": [figures.reductions(runs, repair) for repair in ("column", "exact")],
+        "replay_reductions": [
+            {"window": window.label, "gate": gate.label, **figures.reduction_between(runs, window.label, gate.label)}
+            for window in replay_specs(tau, unit)
+            if window.kind == "window"
+            for gate in replay_specs(tau, unit)
+            if gate.kind == "margin"
+        ],
         "breakdown": [
             {k: clean(v) for k, v in row.items()}
             for row in runs[runs["repeat"] == 0][["config", *[f"t_{b}" for b in BREAKDOWN]]]

@@ -11,6 +11,8 @@ import shutil
 from pathlib import Path
 
 from mgbench.errors import UserError
+from mgbench.render.md_cells import _num, _pct, _table
+from mgbench.render.probe_markdown import fixed_order_lines, probe_section, reference_text
 
 
 def _read_json(path: Path) -> dict:
@@ -18,22 +20,6 @@ def _read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"{path}: cannot read ({exc})") from exc
-
-
-def _pct(value) -> str:
-    return "-" if value is None else f"{100 * value:.2f}%"
-
-
-def _num(value) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def _table(headers: list[str], rows: list[list]) -> list[str]:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return lines + [""]
 
 
 def run_kind(run: Path) -> str:
@@ -55,7 +41,7 @@ def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
         [
             "engine",
             "method",
-            "batch-invariant mode",
+            "determinism against",
             "steps",
             "flips",
             "flip rate",
@@ -72,7 +58,7 @@ def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
             [
                 s.get("engine") or "-",
                 s.get("method") or "-",
-                "on" if s.get("batch_invariant") else "off",
+                reference_text(s),
                 s["steps"],
                 s["flips"],
                 _pct(s["flip_rate"]),
@@ -86,6 +72,7 @@ def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
             ]
         ],
     )
+    lines += fixed_order_lines(s)
     repeat = s.get("solo_repeat")
     if repeat:
         lines += [
@@ -179,7 +166,7 @@ def verify_section(run: Path, out: Path, prefix: str) -> list[str]:
 def compare_section(run: Path, out: Path, prefix: str) -> list[str]:
     s = _read_json(run / "summary.json")
     lines = _table(
-        ["config", "decode s (median)", "tok/s", "increment", "determinism", "trigger rate", "repairs"],
+        ["config", "decode s (median)", "tok/s", "increment", "determinism", "against", "trigger rate", "repairs"],
         [
             [
                 r["config"],
@@ -187,6 +174,7 @@ def compare_section(run: Path, out: Path, prefix: str) -> list[str]:
                 _num(r["tokens_per_s"]),
                 _pct(r["increment"]),
                 _pct(r["determinism"]),
+                r.get("reference", "stock solo"),
                 _pct(r["trigger_rate"]),
                 _num(r["repairs"]),
             ]
@@ -195,40 +183,8 @@ def compare_section(run: Path, out: Path, prefix: str) -> list[str]:
     )
     for r in s["reductions"]:
         lines.append(f"- increment reduction always/{r['repair']} over margin/{r['repair']}: {_num(r['median'])}x")
-    lines += [f"- gate alone: {_pct(s['gate_share_of_step'])} of a plain batched step", ""]
+    lines += [f"- gate alone: {_pct(s['gate_share_of_step'])} of a plain batched step", ""] + fixed_order_lines(s)
     return lines + _copy_plots(run, out, prefix, ("latency_increment.png", "determinism_vs_triggers.png"))
-
-
-def probe_section(run: Path, out: Path, prefix: str) -> list[str]:
-    p = _read_json(run / "probe.json")
-    m = p["machine"]
-    lines = [
-        f"Machine: {m.get('gpu') or m['cpu']}, torch CPU capability {m['cpu_capability']}, {p['rows']} rows "
-        f"(pads {p['pad_lens'][0]}-{p['pad_lens'][-1]}).",
-        "",
-    ]
-    lines += _table(
-        ["op", "module / shape", "n", "invariant", "max abs diff", "differs at", "batch-invariant form"],
-        [
-            [
-                f["op"],
-                f["name"],
-                f["modules"],
-                "yes" if f["invariant"] else "**no**",
-                _num(f["max_abs_diff"]),
-                f"{f['axis']} {', '.join(map(str, f['varies_at']))}" if f["varies_at"] else "-",
-                "-" if f["form"] == "batched" else f["form"],
-            ]
-            for f in p["findings"]
-        ],
-    )
-    lines += [
-        f"Decode step: plain {p['plain_step_ms']:.1f} ms, batch-invariant {p['invariant_step_ms']:.1f} ms "
-        f"({_pct(p['invariant_step_increment'])}); exact on the probe batch: "
-        f"{'yes' if p['batch_invariant_exact'] else 'NO'}.",
-        "",
-    ]
-    return lines
 
 
 def _copy_plots(run: Path, out: Path, prefix: str, names) -> list[str]:

@@ -33,6 +33,7 @@ class StartAlignedCache:
         self.values = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # keys written per row
         self.positions: torch.Tensor | None = None  # [batch, q] positions of the tokens being fed
+        self.fed_chunks = 0  # chunks that hold every key up to the furthest position fed
         self._rows = torch.arange(batch, device=device)
 
     @classmethod
@@ -63,9 +64,10 @@ class StartAlignedCache:
     def feed(self, positions: torch.Tensor) -> None:
         """Positions [batch] or [batch, q] of the tokens the next forward writes and attends from."""
         positions = positions.view(self.batch, -1)
-        if int(positions.max()) >= self.capacity:
-            raise ValueError(f"position {int(positions.max())} is past the cache's capacity {self.capacity}")
-        self.positions = positions
+        furthest = int(positions.max())  # the step's one host sync (not one per layer)
+        if furthest >= self.capacity:
+            raise ValueError(f"position {furthest} is past the cache's capacity {self.capacity}")
+        self.positions, self.fed_chunks = positions, chunks_for(furthest + 1, self.chunk)
         self.lengths = torch.maximum(self.lengths, positions.max(-1).values + 1)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -77,8 +79,7 @@ class StartAlignedCache:
         chunk, offset = positions // self.chunk, positions % self.chunk
         self.keys[layer_idx][chunk, rows, :, offset] = key.transpose(1, 2).float()
         self.values[layer_idx][chunk, rows, :, offset] = value.transpose(1, 2).float()
-        n = chunks_for(int(positions.max()) + 1, self.chunk)
-        return self.keys[layer_idx][:n], self.values[layer_idx][:n]
+        return self.keys[layer_idx][: self.fed_chunks], self.values[layer_idx][: self.fed_chunks]
 
     def columns_of_row(self, row: int, start: int, count: int, dtype) -> torch.Tensor:
         """K/V of positions start..start+count-1 of one row: [layers, 2, kv_heads, count, head_dim]
@@ -92,3 +93,63 @@ class StartAlignedCache:
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(zip(self.keys, self.values))
+
+    def row(self, row: int) -> "StartAlignedCache":
+        """One row as a batch of one that shares this cache's storage (a replay writes through it)."""
+        view = StartAlignedCache.__new__(StartAlignedCache)
+        view.chunk, view.batch = self.chunk, 1
+        view.keys = [k[:, row : row + 1] for k in self.keys]
+        view.values = [v[:, row : row + 1] for v in self.values]
+        view.lengths = self.lengths[row : row + 1].clone()
+        view.positions, view.fed_chunks, view._rows = None, 0, self._rows[:1]
+        return view
+
+
+class StockAlignedCache:
+    """The stock kernels' cache for decoding that verifies by replay: [batch, kv_heads, capacity,
+    head_dim] per layer in the model's dtype, each row's keys at its own positions 0..len-1, so one
+    row can move back (a rollback) while the others go on. The stock attention gets a mask of each
+    row's own keys (positions up to the one fed)."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int, dtype, device):
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.batch, self.capacity = batch, capacity
+        self.positions: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+        self._rows = torch.arange(batch, device=device)
+
+    @classmethod
+    def from_prefills(cls, rows: list[LayerKV], extra: int) -> "StockAlignedCache":
+        first = rows[0][0][0]
+        longest = max(layers[0][0].shape[-2] for layers in rows)
+        cache = cls(
+            len(rows[0]), len(rows), first.shape[1], first.shape[-1], longest + extra, first.dtype, first.device
+        )
+        for row, layers in enumerate(rows):
+            for index, (k, v) in enumerate(layers):
+                cache.keys[index][row, :, : k.shape[-2]] = k[0]
+                cache.values[index][row, :, : v.shape[-2]] = v[0]
+        return cache
+
+    def feed(self, positions: torch.Tensor) -> None:
+        """Positions [batch] of the tokens the next step writes (one per row)."""
+        self.positions = positions.view(-1)
+        length = int(self.positions.max()) + 1
+        self.mask = (torch.arange(length, device=positions.device) <= self.positions.view(-1, 1))[:, None, None, :]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.keys[layer_idx][self._rows, :, self.positions] = key[:, :, 0]
+        self.values[layer_idx][self._rows, :, self.positions] = value[:, :, 0]
+        length = self.mask.shape[-1]
+        return self.keys[layer_idx][:, :, :length], self.values[layer_idx][:, :, :length]
+
+    def copy_row_from(self, source: StartAlignedCache, row: int, start: int, count: int) -> None:
+        """Positions start..start+count-1 of one row take `source`'s K/V (a replay's, verified)."""
+        if count <= 0:
+            return
+        columns = source.columns_of_row(row, start, count, self.keys[0].dtype)  # [layers, 2, kvh, count, dim]
+        for index in range(len(self.keys)):
+            self.keys[index][row, :, start : start + count] = columns[index, 0]
+            self.values[index][row, :, start : start + count] = columns[index, 1]

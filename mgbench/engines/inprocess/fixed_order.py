@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, chunks_for
+from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, StockAlignedCache, chunks_for
 from mgbench.engines.inprocess.batch_invariant import wrapped_attention
 
 CHUNK = 64  # keys per reduction chunk (the probe checks it)
@@ -105,6 +105,8 @@ def _attention(base, module, query, key, value, attention_mask, **kwargs):
     cache = _CACHE.get()
     if cache is None:  # a prefill alone (or any forward without the aligned cache): stock kernels
         return base(module, query, key, value, attention_mask, **kwargs)
+    if isinstance(cache, StockAlignedCache):  # stock kernels over each row's own keys (replay-verified decoding)
+        return base(module, query, key, value, cache.mask, **kwargs)
     attend = attention_in_form(_FORM.get())
     return attend(query, key, value, cache.positions, *attention_arguments(module, kwargs)), None
 
@@ -191,20 +193,30 @@ def module_forms(model, forms: dict[str, str]):
 
 
 @contextmanager
-def fixed_order_kernels(model, plan: FixedOrderPlan):
-    """Inside the block, forwards fed through `fixed_order_step` run the fixed-order kernels;
-    a forward without the aligned cache (a prefill alone) runs the stock attention."""
+def aligned_attention(model, plan: FixedOrderPlan):
+    """Attention routed by the cache a forward carries: a `StartAlignedCache` takes the fixed-order
+    attention in the plan's form, a `StockAlignedCache` the stock kernel over each row's own keys,
+    none (a prefill alone) the stock kernel as the model would call it."""
     with ExitStack() as stack:
         form = _FORM.set(plan.attention)
         stack.callback(_FORM.reset, form)
         stack.enter_context(wrapped_attention(model, "fixed_order", _attention))
+        yield
+
+
+@contextmanager
+def fixed_order_kernels(model, plan: FixedOrderPlan):
+    """Inside the block, forwards fed through `fixed_order_step` run the fixed-order kernels;
+    a forward without the aligned cache (a prefill alone) runs the stock attention."""
+    with ExitStack() as stack:
+        stack.enter_context(aligned_attention(model, plan))
         stack.enter_context(module_forms(model, plan.forms))
         yield
 
 
-def fixed_order_forward(model, cache: StartAlignedCache, tokens: torch.Tensor, positions: torch.Tensor):
-    """Feed tokens [B, q] at positions [B, q] through the model (inside `fixed_order_kernels`):
-    logits [B, q, vocab] of every fed position."""
+def fixed_order_forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor):
+    """Feed tokens [B, q] at positions [B, q] through the model (inside `fixed_order_kernels`, or
+    `aligned_attention` for a `StockAlignedCache`): logits [B, q, vocab] of every fed position."""
     cache.feed(positions)
     token = _CACHE.set(cache)
     try:

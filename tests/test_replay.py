@@ -1,0 +1,121 @@
+"""Verification by replay against the fixed-order reference: LLM-42's window policy and MarginGate.
+
+Controls: a stock-path head planted to move every batched step's argmax must be caught and rolled
+back (window, and MarginGate with the end check) while unverified decoding diverges; tokens that the
+fixed-order kernels produced step by step must replay without a rollback (a chunk equals its steps)."""
+
+import pytest
+import torch
+from helpers import plant_near_ties, random_prompts, runner_up_past_top, tiny_llama
+
+from mgbench.engines.inprocess import fixed_order
+from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, StockAlignedCache
+from mgbench.engines.inprocess.fixed_order_probe import probe_fixed_order
+from mgbench.engines.inprocess.kernels import Kernels
+from mgbench.engines.inprocess.replay import ReplaySpec, _replay, _Row, run_replay_verified
+from mgbench.engines.inprocess.runners import run_solo
+
+STEPS = 16
+
+
+class StockOnlyNudgedHead(torch.nn.Module):
+    """PLANTED VARIANCE on the stock path only: during a stock decode step over the start-aligned
+    cache, the head moves every row's argmax to its runner-up (margin below 1e9: always). Fixed-order
+    forwards (solo reference, replays) are untouched. Every batched stock token after the prefill's
+    is certainly wrong."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, x):
+        out = self.head(x)
+        return runner_up_past_top(out, 1e9) if isinstance(fixed_order._CACHE.get(), StockAlignedCache) else out
+
+
+def setup(planted: bool, lengths=(5, 37, 70, 130, 12)):
+    model = tiny_llama(kv_heads=2)
+    plant_near_ties(model)
+    if planted:
+        model.lm_head = StockOnlyNudgedHead(model.lm_head)
+    prompts = random_prompts(list(lengths), vocab=8192, seed=11)
+    with torch.inference_mode():
+        kernels = Kernels("fixed-order", probe_fixed_order(model, prompts, rows=len(prompts)).plan)
+        with kernels.active(model):
+            solos = [run_solo(model, p, STEPS, set(), kernels) for p in prompts]
+    return model, prompts, kernels, solos
+
+
+def verified(model, prompts, kernels, solos, spec):
+    with torch.inference_mode():
+        return run_replay_verified(model, prompts, 0, STEPS, set(), spec, kernels, [s.row_prefill for s in solos])
+
+
+@pytest.fixture(scope="module")
+def planted():
+    return setup(planted=True)
+
+
+@pytest.mark.parametrize(
+    "spec", [ReplaySpec("window", window=4), ReplaySpec("window", window=64), ReplaySpec("margin", tau=0.5)]
+)
+def test_a_planted_stock_flip_is_caught_and_rolled_back(planted, spec):
+    model, prompts, kernels, solos = planted
+    result = verified(model, prompts, kernels, solos, spec)
+    assert result.tokens == [s.tokens.tolist() for s in solos]
+    assert all(r >= 1 for r in result.rollbacks), "every row's first stock token was planted wrong"
+    assert all(len(t) == STEPS for t in result.tokens)
+    if spec.kind == "margin":  # the nudged margin is one ulp: the gate fires at every batched step
+        assert result.triggers == result.steps
+
+
+def test_unverified_decoding_diverges_where_the_plant_acts(planted):
+    model, prompts, kernels, solos = planted
+    result = verified(model, prompts, kernels, solos, ReplaySpec("none"))
+    for tokens, solo in zip(result.tokens, solos):
+        assert tokens[0] == solo.tokens[0] and tokens[1] != solo.tokens[1]  # the prefill's token is shared
+    assert sum(result.verifications) == 0
+
+
+def test_margin_without_the_end_check_leaves_the_tail_to_the_gate(planted):
+    """TAU below the planted one-ulp margin: the gate never fires and nothing is verified."""
+    model, prompts, kernels, solos = planted
+    result = verified(model, prompts, kernels, solos, ReplaySpec("margin", tau=1e-30, end_check=False))
+    assert sum(result.verifications) == 0 and result.tokens != [s.tokens.tolist() for s in solos]
+    checked = verified(model, prompts, kernels, solos, ReplaySpec("margin", tau=1e-30))
+    assert checked.tokens == [s.tokens.tolist() for s in solos] and all(v >= 1 for v in checked.verifications)
+
+
+def replay_solo_tokens(model, kernels, prompts, solos) -> list[_Row]:
+    """Each fixed-order solo output replayed in one chunk over its prefill: (rows after the replay)."""
+    rows = []
+    with torch.inference_mode(), fixed_order.aligned_attention(model, kernels.plan):
+        layers = [s.prefill for s in solos]
+        fixed = StartAlignedCache.from_prefills(layers, STEPS + 1, kernels.plan.chunk)
+        stock = StockAlignedCache.from_prefills(layers, STEPS + 1)
+        for r, (prompt, solo) in enumerate(zip(prompts, solos)):
+            row = _Row(len(prompt), int(solo.tokens[0]))
+            row.tokens = solo.tokens.tolist()
+            _replay(model, kernels, fixed, stock, r, row)
+            rows.append(row)
+    return rows
+
+
+def test_fixed_order_tokens_replay_without_a_rollback():
+    model, prompts, kernels, solos = setup(planted=False)
+    for row, solo in zip(replay_solo_tokens(model, kernels, prompts, solos), solos):
+        assert row.rollbacks == 0 and row.verified == len(solo.tokens) and row.replayed == len(solo.tokens) - 1
+
+
+@pytest.mark.slow
+def test_default_model_replay_equals_its_fixed_order_steps(default_lm, math500_prompts):
+    model = default_lm.model
+    prompts = [torch.tensor(p) for p in math500_prompts]
+    with torch.inference_mode():
+        kernels = Kernels("fixed-order", probe_fixed_order(model, prompts, rows=4).plan)
+        with kernels.active(model):
+            solos = [run_solo(model, p, STEPS, set(), kernels) for p in prompts]
+    for row, solo in zip(replay_solo_tokens(model, kernels, prompts, solos), solos):
+        assert row.rollbacks == 0 and row.verified == len(solo.tokens)
+    result = verified(model, prompts, kernels, solos, ReplaySpec("window", window=8))
+    assert result.tokens == [s.tokens.tolist() for s in solos]
