@@ -238,16 +238,17 @@ def compare_table(runs: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def reduction_between(runs: pd.DataFrame, baseline: str, gate: str) -> dict:
-    """increment(baseline) / increment(gate) per repeat (both over `none`), with its median and spread."""
+def reduction_between(runs: pd.DataFrame, baseline: str, gate: str, base: str = "none") -> dict:
+    """increment(baseline) / increment(gate) per repeat (both over `base`), with its median and spread."""
     by = runs.set_index(["config", "repeat"])["seconds"]
     values = []
     for repeat in sorted(runs["repeat"].unique()):
         try:
-            base = by[("none", repeat)]
+            reference = by[(base, repeat)]
             values.append(
                 increment_reduction(
-                    latency_increment(by[(baseline, repeat)], base), latency_increment(by[(gate, repeat)], base)
+                    latency_increment(by[(baseline, repeat)], reference),
+                    latency_increment(by[(gate, repeat)], reference),
                 )
             )
         except KeyError:

@@ -51,6 +51,14 @@ def compare(
     attn: str = AttnOpt,
     out: Optional[Path] = OutOpt,
     tp_plan: Optional[str] = TpPlanOpt,
+    only: Optional[str] = typer.Option(
+        None,
+        "--only",
+        help=(
+            "Run only the configurations whose names start with these comma-separated prefixes (`none`, the "
+            "increments' base, always runs), e.g. `fixed-order,window,margin` ."
+        ),
+    ),
     debug: bool = DebugOpt,
 ) -> None:
     """Compare MarginGate with always-on verification, the oracle floor, batch-invariant attention and solo decoding.
@@ -68,6 +76,10 @@ def compare(
 
         mgbench compare --model llama-3.1-8b --device cuda --batch-size 64 \\
             --limit 256 --threshold 0.5
+
+        # LLM-42's window against MarginGate, both on the fixed-order reference
+
+        mgbench compare --threshold 0.47 --only fixed-order,window,margin
     """
     with user_errors(debug):
         options = RunOptions(
@@ -96,4 +108,9 @@ def compare(
         placement = Placement.resolve(None, False, tp_plan, out)
         if placement.shard.sharded:
             raise UserError("compare times one process: run it without torchrun, or under torchrun with --tp-plan auto")
-        run_compare(options, placement, tau, unit, repeats, out or default_out("compare", model, dataset), json_out)
+        prefixes = tuple(p.strip() for p in only.split(",") if p.strip()) if only else None
+        if only is not None and not prefixes:
+            raise UserError("--only is empty: give configuration name prefixes such as window,margin")
+        run_compare(
+            options, placement, tau, unit, repeats, out or default_out("compare", model, dataset), json_out, prefixes
+        )

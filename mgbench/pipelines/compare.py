@@ -31,6 +31,7 @@ from mgbench.engines.inprocess.replay import ReplaySpec, run_replay_verified
 from mgbench.engines.inprocess.runners import run_free, run_solo, synchronize
 from mgbench.engines.inprocess.step import StepContext
 from mgbench.engines.inprocess.stopwatch import Stopwatch
+from mgbench.errors import UserError
 from mgbench.pipelines.prepared import PreparedRun, prepare
 from mgbench.pipelines.probe import fixed_order_probe_for_run, fixed_order_summary, probe_for_run, run_summary
 from mgbench.pipelines.session import finish_output, load_with_status, warn_split
@@ -66,7 +67,8 @@ def replay_specs(tau: float, unit: str) -> list[ReplaySpec]:
     ]
 
 
-def configurations(tau: float, unit: str) -> list[Config]:
+def configurations(tau: float, unit: str, only: tuple[str, ...] | None = None) -> list[Config]:
+    """Every configuration, or (`only`) `none` and those whose names start with one of the prefixes."""
     configs = [Config("none", PolicySpec("none"))]
     for kind in ("always", "margin", "oracle"):
         for repair in ("column", "exact"):
@@ -74,7 +76,17 @@ def configurations(tau: float, unit: str) -> list[Config]:
             configs.append(Config(spec.label, spec))
     configs += [Config("fixed-order kernels", None)]
     configs += [Config(spec.label, None, spec) for spec in replay_specs(tau, unit)]
-    return configs + [Config("batch-invariant", None), Config("solo", None)]
+    configs += [Config("batch-invariant", None), Config("solo", None)]
+    if only is None:
+        return configs
+    unmatched = [p for p in only if not any(c.name.startswith(p) for c in configs)]
+    if unmatched:
+        names = ", ".join(c.name for c in configs)
+        raise UserError(f"--only {','.join(unmatched)}: no configuration starts with it (they are: {names})")
+    chosen = [c for c in configs if c.name == "none" or c.name.startswith(only)]
+    if any(c.replay is not None for c in chosen):  # the replays' own base: the same decoding unverified
+        chosen = [c for c in configs if c in chosen or c.name == "none (start-aligned)"]
+    return chosen
 
 
 def reference_of(config: Config) -> str:
@@ -154,7 +166,14 @@ def gate_cost(lm, batches, solos, tau: float, unit: str, repeats: int = 50) -> d
 
 
 def time_configurations(
-    lm, run: PreparedRun, tau: float, unit: str, batch_size: int, repeats: int, on_progress: ProgressFn
+    lm,
+    run: PreparedRun,
+    tau: float,
+    unit: str,
+    batch_size: int,
+    repeats: int,
+    on_progress: ProgressFn,
+    only: tuple[str, ...] | None = None,
 ) -> tuple[pd.DataFrame, dict]:
     model, tokenizer, device = lm.model, lm.tokenizer, lm.device
     eos_ids = eos_token_ids(model, tokenizer)
@@ -166,11 +185,12 @@ def time_configurations(
         (order[s : s + batch_size], [tensors[i] for i in order[s : s + batch_size]])
         for s in range(0, len(order), batch_size)
     ]
-    configs = configurations(tau, unit)
+    configs = configurations(tau, unit, only)
     rows = []
-    probe = probe_for_run(lm, run, batch_size)
+    probe = probe_for_run(lm, run, batch_size) if any(c.name == "batch-invariant" for c in configs) else None
     fixed_probe = fixed_order_probe_for_run(lm, run, batch_size)
     kernels = Kernels("fixed-order", fixed_probe.plan)
+    plan = probe.plan if probe is not None else None
     with torch.inference_mode():
         solos = {i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids) for i in order}
         with kernels.active(model):
@@ -181,15 +201,13 @@ def time_configurations(
         }
         on_progress("solo", len(order))
         for config in configs:  # warm-up pass on the first batch, not recorded
-            _decode_config(
-                config, lm, batches[:1], solos, run, eos_ids, pad_id, None, probe.plan, (kernels, fixed_solos)
-            )
+            _decode_config(config, lm, batches[:1], solos, run, eos_ids, pad_id, None, plan, (kernels, fixed_solos))
         on_progress("warmup", 1)
         for repeat in range(repeats):
             for config in configs:
                 stopwatch = Stopwatch(device) if repeat == 0 and config.spec is not None else None
                 seconds, outputs, triggers, repairs, counts = _decode_config(
-                    config, lm, batches, solos, run, eos_ids, pad_id, stopwatch, probe.plan, (kernels, fixed_solos)
+                    config, lm, batches, solos, run, eos_ids, pad_id, stopwatch, plan, (kernels, fixed_solos)
                 )
                 reference = references[reference_of(config)]
                 identical = sum(first_divergence(reference[i], outputs[i]) is None for i in order)
@@ -220,7 +238,7 @@ def time_configurations(
         stock, fixed = references["stock solo"], references["fixed-order solo"]
         extra = {
             **gate_cost(lm, batches, solos, tau, unit),
-            "batch_invariant": run_summary(probe),
+            **({"batch_invariant": run_summary(probe)} if probe is not None else {}),
             "fixed_order": {
                 **fixed_order_summary(fixed_probe),
                 "stock_solo": {"requests": len(order), "identical": sum(stock[i] == fixed[i] for i in order)},
@@ -246,13 +264,14 @@ def run_compare(
     repeats: int,
     out: Path,
     json_out: bool = False,
+    only: tuple[str, ...] | None = None,
 ) -> None:
     """`mgbench compare` from validated options to compare.parquet, its plots and its report."""
+    configs = len(configurations(tau, unit, only))  # an unknown --only prefix fails before anything loads
     run = prepare(options)
     if placement.writes:
         rundir.prepare_out_dir(out)
     lm = load_with_status(options)
-    configs = len(configurations(tau, unit))
     with progress_bar() as progress:
         tasks = {
             "solo": progress.add_task("solo references", total=len(run.requests)),
@@ -268,7 +287,7 @@ def run_compare(
         batch_size, (runs, extra) = run_shrinking_on_oom(
             options.batch_sizes[0],
             lambda size: time_configurations(
-                lm, run, tau, unit, size, repeats, lambda phase, n: progress.advance(tasks[phase], n)
+                lm, run, tau, unit, size, repeats, lambda phase, n: progress.advance(tasks[phase], n), only
             ),
             shrink,
         )
@@ -286,8 +305,14 @@ def run_compare(
         **extra,
         "configs": [{k: clean(v) for k, v in row.items()} for row in table.to_dict("records")],
         "reductions": [figures.reductions(runs, repair) for repair in ("column", "exact")],
+        # Over the same stock decoding unverified (start-aligned), so the increments are verification alone.
         "replay_reductions": [
-            {"window": window.label, "gate": gate.label, **figures.reduction_between(runs, window.label, gate.label)}
+            {
+                "window": window.label,
+                "gate": gate.label,
+                "base": "none (start-aligned)",
+                **figures.reduction_between(runs, window.label, gate.label, "none (start-aligned)"),
+            }
             for window in replay_specs(tau, unit)
             if window.kind == "window"
             for gate in replay_specs(tau, unit)

@@ -310,7 +310,8 @@ def render_compare(console: Console, summary: dict) -> None:
     for r in summary.get("replay_reductions", []):
         if r["median"] is not None:
             console.print(
-                f"increment reduction {r['window']} over {r['gate']} (both against fixed-order solo): "
+                f"increment reduction {r['window']} over {r['gate']} (against fixed-order solo; increments over "
+                f"{r.get('base', 'none')}): "
                 f"[bold]{r['median']:.2f}x[/] (repeats {r['min']:.2f}-{r['max']:.2f}; paper: 2.23x over LLM-42)"
             )
     for r in summary["reductions"]:
