@@ -18,6 +18,11 @@ import torch
 from mgbench.engines.inprocess.cache import LayerKV
 
 
+def prompt_lengths(rows: list[LayerKV]) -> list[int]:
+    """Each row's prompt length: its longest layer (sliding-window layers keep fewer keys)."""
+    return [max(k.shape[-2] for k, _ in layers) for layers in rows]
+
+
 def chunks_for(positions: int, chunk: int) -> int:
     """How many chunks hold `positions` keys."""
     return -(-positions // chunk)
@@ -34,28 +39,29 @@ class StartAlignedCache:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # keys written per row
         self.positions: torch.Tensor | None = None  # [batch, q] positions of the tokens being fed
         self.fed_chunks = 0  # chunks that hold every key up to the furthest position fed
+        self._masks: dict = {}
         self._rows = torch.arange(batch, device=device)
 
     @classmethod
     def from_prefills(cls, rows: list[LayerKV], extra: int, chunk: int) -> "StartAlignedCache":
-        """The rows' prefills (each computed alone, [1, kv_heads, len, head_dim] per layer) at
-        positions 0..len-1, with room for `extra` more tokens per row."""
+        """The rows' prefills (each computed alone, [1, kv_heads, len, head_dim] per layer) at their
+        positions, with room for `extra` more tokens per row. A sliding-window layer's prefill keeps
+        only its last keys: they go to the prompt's last positions (the longest layer's length)."""
         first = rows[0][0][0]
-        lengths = [layers[0][0].shape[-2] for layers in rows]
+        lengths = prompt_lengths(rows)
         cache = cls(len(rows[0]), len(rows), first.shape[1], first.shape[-1], max(lengths) + extra, chunk, first.device)
-        for row, layers in enumerate(rows):
+        for row, (layers, length) in enumerate(zip(rows, lengths)):
             for index, (k, v) in enumerate(layers):
-                cache._write_span(index, row, k[0], v[0])
+                cache._write_span(index, row, length - k.shape[-2], k[0], v[0])
         cache.lengths = torch.tensor(lengths, device=first.device)
         return cache
 
-    def _write_span(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keys [kv_heads, n, head_dim] of one row at positions 0..n-1."""
-        n, c = k.shape[1], self.chunk
-        for start in range(0, n, c):
-            stop = min(n, start + c)
-            self.keys[layer][start // c, row, :, : stop - start] = k[:, start:stop].float()
-            self.values[layer][start // c, row, :, : stop - start] = v[:, start:stop].float()
+    def _write_span(self, layer: int, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys [kv_heads, n, head_dim] of one row at positions start..start+n-1."""
+        positions = torch.arange(start, start + k.shape[1], device=k.device)
+        chunk, offset = positions // self.chunk, positions % self.chunk
+        self.keys[layer][chunk, row, :, offset] = k.transpose(0, 1).float()
+        self.values[layer][chunk, row, :, offset] = v.transpose(0, 1).float()
 
     @property
     def capacity(self) -> int:
@@ -68,7 +74,14 @@ class StartAlignedCache:
         if furthest >= self.capacity:
             raise ValueError(f"position {furthest} is past the cache's capacity {self.capacity}")
         self.positions, self.fed_chunks = positions, chunks_for(furthest + 1, self.chunk)
+        self._masks = {}  # one attention mask per window size, shared by the step's layers
         self.lengths = torch.maximum(self.lengths, positions.max(-1).values + 1)
+
+    def mask_for(self, window, build):
+        """The step's attention mask for `window` (built once by `build`, reused by every layer)."""
+        if window not in self._masks:
+            self._masks[window] = build()
+        return self._masks[window]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write the new keys [batch, kv_heads, q, head_dim] at each row's positions; return the
@@ -101,7 +114,7 @@ class StartAlignedCache:
         view.keys = [k[:, row : row + 1] for k in self.keys]
         view.values = [v[:, row : row + 1] for v in self.values]
         view.lengths = self.lengths[row : row + 1].clone()
-        view.positions, view.fed_chunks, view._rows = None, 0, self._rows[:1]
+        view.positions, view.fed_chunks, view._rows, view._masks = None, 0, self._rows[:1], {}
         return view
 
 
@@ -123,14 +136,14 @@ class StockAlignedCache:
     @classmethod
     def from_prefills(cls, rows: list[LayerKV], extra: int) -> "StockAlignedCache":
         first = rows[0][0][0]
-        longest = max(layers[0][0].shape[-2] for layers in rows)
+        lengths = prompt_lengths(rows)
         cache = cls(
-            len(rows[0]), len(rows), first.shape[1], first.shape[-1], longest + extra, first.dtype, first.device
+            len(rows[0]), len(rows), first.shape[1], first.shape[-1], max(lengths) + extra, first.dtype, first.device
         )
-        for row, layers in enumerate(rows):
-            for index, (k, v) in enumerate(layers):
-                cache.keys[index][row, :, : k.shape[-2]] = k[0]
-                cache.values[index][row, :, : v.shape[-2]] = v[0]
+        for row, (layers, length) in enumerate(zip(rows, lengths)):
+            for index, (k, v) in enumerate(layers):  # a sliding-window layer's keys end at the prompt's end
+                cache.keys[index][row, :, length - k.shape[-2] : length] = k[0]
+                cache.values[index][row, :, length - v.shape[-2] : length] = v[0]
         return cache
 
     def feed(self, positions: torch.Tensor) -> None:

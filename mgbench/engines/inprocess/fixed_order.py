@@ -42,10 +42,12 @@ def fixed_order_attention(
     scaling: float,
     window: int | None = None,
     softcap: float | None = None,
+    hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [B, heads, q, head_dim]; keys, values [n, B, kv_heads, chunk, head_dim] float32
     (start-aligned); positions [B, q] of the queries. Returns [B, q, heads, head_dim] in the
-    query's dtype. Key j is visible to a query at position p iff j <= p (and p - j < window)."""
+    query's dtype. Key j is visible to a query at position p iff j <= p (and p - j < window);
+    `hidden` is `hidden_keys` of these arguments when the caller keeps it (one per step and window)."""
     n, batch, kv_heads, chunk, head_dim = keys.shape
     heads, q = query.shape[1], query.shape[2]
     group = heads // kv_heads
@@ -57,18 +59,26 @@ def fixed_order_attention(
     scores = torch.bmm(qe, ke.transpose(1, 2)).view(n, batch, q, kv_heads, group, chunk) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    key_pos = torch.arange(n * chunk, device=query.device).view(n, 1, 1, chunk)
-    query_pos = positions.view(1, batch, q, 1)
-    visible = key_pos <= query_pos
-    if window is not None:
-        visible &= key_pos > query_pos - window
-    scores = scores.masked_fill(~visible.view(n, batch, q, 1, 1, chunk), float("-inf"))
+    scores = scores + (hidden if hidden is not None else hidden_keys(positions, n, chunk, window))
     top = scores.amax(dim=(0, 5), keepdim=True)  # a max is exact in any order
     p = torch.exp(scores - top)
     denominator = p.sum(-1).cumsum(0)[-1]  # per chunk, then chunk by chunk from position 0
     pv = torch.bmm(p.view(items, group, chunk), ve).view(n, batch, q, kv_heads, group, head_dim)
     out = pv.cumsum(0)[-1] / denominator.unsqueeze(-1)  # [B, q, kvh, G, d]
     return out.to(query.dtype).reshape(batch, q, heads, head_dim)
+
+
+def hidden_keys(positions: torch.Tensor, n: int, chunk: int, window: int | None = None) -> torch.Tensor:
+    """Additive mask [n, B, q, 1, 1, chunk]: 0 where a key is visible, -inf where not (x + 0.0 is x,
+    exactly, so it only hides)."""
+    batch, q = positions.shape
+    key_pos = torch.arange(n * chunk, device=positions.device).view(n, 1, 1, chunk)
+    query_pos = positions.view(1, batch, q, 1)
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= key_pos > query_pos - window
+    mask = torch.zeros(visible.shape, dtype=torch.float32, device=positions.device)
+    return mask.masked_fill_(~visible, float("-inf")).view(n, batch, q, 1, 1, chunk)
 
 
 def per_row_attention(query, keys, values, positions, *args) -> torch.Tensor:
@@ -107,8 +117,13 @@ def _attention(base, module, query, key, value, attention_mask, **kwargs):
         return base(module, query, key, value, attention_mask, **kwargs)
     if isinstance(cache, StockAlignedCache):  # stock kernels over each row's own keys (replay-verified decoding)
         return base(module, query, key, value, cache.mask, **kwargs)
-    attend = attention_in_form(_FORM.get())
-    return attend(query, key, value, cache.positions, *attention_arguments(module, kwargs)), None
+    form, arguments = _FORM.get(), attention_arguments(module, kwargs)
+    if form != "batched":
+        return attention_in_form(form)(query, key, value, cache.positions, *arguments), None
+    hidden = cache.mask_for(
+        arguments[1], lambda: hidden_keys(cache.positions, key.shape[0], key.shape[3], arguments[1])
+    )
+    return attention_in_form(form)(query, key, value, cache.positions, *arguments, hidden), None
 
 
 # --- row-wise modules ------------------------------------------------------------------------
