@@ -138,7 +138,11 @@ def test_batch_invariant_baseline_is_exact(compare_run_dir):
     # fixed-order configuration is measured against its own reference (solo through the same kernels).
     fixed = by["fixed-order kernels"]
     assert fixed["determinism"] == 1.0 and fixed["reference"] == "fixed-order solo"
-    assert {by[c]["reference"] for c in by if c != "fixed-order kernels"} == {"stock solo"}
+    fixed_order_configs = {"fixed-order kernels", "none (start-aligned)"} | {
+        c for c in by if "replay" in c or "window" in c
+    }
+    assert {by[c]["reference"] for c in by if c not in fixed_order_configs} == {"stock solo"}
+    assert {by[c]["reference"] for c in fixed_order_configs} == {"fixed-order solo"}
     assert summary["fixed_order"]["stock_solo"]["requests"] == summary["sequences"]
     # Replay verification against the fixed-order reference: exact with the end check, by construction.
     for config in ("window W=16", "window W=64", "margin<0.05/replay"):
@@ -146,6 +150,16 @@ def test_batch_invariant_baseline_is_exact(compare_run_dir):
         assert by[config]["replayed"] > 0
     pairs = {(r["window"], r["gate"]) for r in summary["replay_reductions"]}
     assert ("window W=64", "margin<0.05/replay") in pairs
+    # Per sequence (first repeat): the replay counts add up to the configuration's row.
+    sequences = pd.read_parquet(compare_run_dir / "replay_sequences.parquet")
+    runs = pd.read_parquet(compare_run_dir / "compare.parquet")
+    first = runs[runs["repeat"] == 0].set_index("config")
+    for config, group in sequences.groupby("config"):
+        assert len(group) == summary["sequences"]
+        assert group["replayed"].sum() == first.loc[config, "replayed"]
+        assert group["rollbacks"].sum() == first.loc[config, "repairs"]
+        assert group["replays"].sum() == first.loc[config, "triggers"]
+    assert sequences.loc[sequences["config"] == "window W=64", "first_divergence"].isna().all()
     assert summary["batch_invariant"]["exact_on_probe"] is True
 
 

@@ -27,7 +27,7 @@ from mgbench.engines.inprocess.audit import eos_token_ids, pad_token_id
 from mgbench.engines.inprocess.batch_invariant import InvariancePlan, decoding_mode
 from mgbench.engines.inprocess.kernels import Kernels
 from mgbench.engines.inprocess.policies import MarginGate, PolicySpec
-from mgbench.engines.inprocess.replay import ReplaySpec, run_replay_verified
+from mgbench.engines.inprocess.replay import REPLAY_CHUNK, ReplaySpec, run_replay_verified
 from mgbench.engines.inprocess.runners import run_free, run_solo, synchronize
 from mgbench.engines.inprocess.step import StepContext
 from mgbench.engines.inprocess.stopwatch import Stopwatch
@@ -36,7 +36,7 @@ from mgbench.pipelines.prepared import PreparedRun, prepare
 from mgbench.pipelines.probe import fixed_order_probe_for_run, fixed_order_summary, probe_for_run, run_summary
 from mgbench.pipelines.session import finish_output, load_with_status, warn_split
 from mgbench.render import plots, terminal
-from mgbench.render.console import console, progress_bar
+from mgbench.render.console import console, err_console, progress_bar
 from mgbench.runs import rundir, schema
 from mgbench.runs.groups import ProgressFn, order_requests
 from mgbench.runs.oom import run_shrinking_on_oom
@@ -112,6 +112,15 @@ def _decode_config(
             counts["replayed"] += sum(result.replayed)
             counts["discarded"] += sum(result.discarded)
             outputs.update(dict(zip(members, result.tokens)))
+            for row, i in enumerate(members):  # per sequence: what verification did to it
+                counts.setdefault("per_sequence", {})[i] = {
+                    "replays": result.verifications[row],
+                    "replayed": result.replayed[row],
+                    "rollbacks": result.rollbacks[row],
+                    "discarded": result.discarded[row],
+                    "gate_triggers": result.triggers[row],
+                    "batched_steps": result.steps[row],
+                }
             continue
         if config.name == "solo":
             for i, prompt in zip(members, prompts):
@@ -186,18 +195,30 @@ def time_configurations(
         for s in range(0, len(order), batch_size)
     ]
     configs = configurations(tau, unit, only)
-    rows = []
+    rows, sequences = [], []
     probe = probe_for_run(lm, run, batch_size) if any(c.name == "batch-invariant" for c in configs) else None
-    fixed_probe = fixed_order_probe_for_run(lm, run, batch_size)
-    kernels = Kernels("fixed-order", fixed_probe.plan)
+    uses_fixed = any(c.replay is not None or c.name == "fixed-order kernels" for c in configs)
+    # Replays feed up to REPLAY_CHUNK tokens in one forward: the probe checks a chunk that long.
+    chunk = min(REPLAY_CHUNK, max(2, run.max_new_tokens))
+    fixed_probe = fixed_order_probe_for_run(lm, run, batch_size, chunk) if uses_fixed else None
+    if fixed_probe is not None and not fixed_probe.chunk_vs_steps["exact"]:
+        err_console.print(
+            f"[bold yellow]fixed-order: a {chunk}-token chunk differs from its steps "
+            f"({fixed_probe.chunk_vs_steps['rows_differing']}/{fixed_probe.chunk_vs_steps['rows']} rows): the replay "
+            "policies are not exact against their reference here[/]",
+            highlight=False,
+        )
+    kernels = Kernels("fixed-order", fixed_probe.plan) if fixed_probe is not None else None
     plan = probe.plan if probe is not None else None
     with torch.inference_mode():
         solos = {i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids) for i in order}
-        with kernels.active(model):
-            fixed_solos = {i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids, kernels) for i in order}
+        fixed_solos = {}
+        if kernels is not None:
+            with kernels.active(model):
+                fixed_solos = {i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids, kernels) for i in order}
         references = {
             "stock solo": {i: solos[i].tokens.tolist() for i in order},
-            "fixed-order solo": {i: fixed_solos[i].tokens.tolist() for i in order},
+            "fixed-order solo": {i: fixed_solos[i].tokens.tolist() for i in fixed_solos},
         }
         on_progress("solo", len(order))
         for config in configs:  # warm-up pass on the first batch, not recorded
@@ -211,6 +232,18 @@ def time_configurations(
                 )
                 reference = references[reference_of(config)]
                 identical = sum(first_divergence(reference[i], outputs[i]) is None for i in order)
+                for i, record in counts.pop("per_sequence", {}).items():
+                    if repeat == 0:
+                        sequences.append(
+                            {
+                                "config": config.name,
+                                "reference": reference_of(config),
+                                "request_id": run.requests[i].request_id,
+                                "tokens": len(outputs[i]),
+                                "first_divergence": first_divergence(reference[i], outputs[i]),
+                                **record,
+                            }
+                        )
                 if config.name == "none" and repeat == 0:
                     # batched decode iterations: each batch runs as long as its longest row
                     iterations = sum(max(len(outputs[i]) for i in members) - 1 for members, _ in batches)
@@ -239,15 +272,22 @@ def time_configurations(
         extra = {
             **gate_cost(lm, batches, solos, tau, unit),
             **({"batch_invariant": run_summary(probe)} if probe is not None else {}),
-            "fixed_order": {
-                **fixed_order_summary(fixed_probe),
-                "stock_solo": {"requests": len(order), "identical": sum(stock[i] == fixed[i] for i in order)},
-            },
+            **(
+                {
+                    "fixed_order": {
+                        **fixed_order_summary(fixed_probe),
+                        "stock_solo": {"requests": len(order), "identical": sum(stock[i] == fixed[i] for i in order)},
+                    }
+                }
+                if fixed_probe is not None
+                else {}
+            ),
         }
     table = pd.DataFrame(rows)
     plain_step = table.loc[table["config"] == "none", "seconds"].median() / max(1, iterations)
     extra["plain_batched_step_seconds"] = plain_step
     extra["gate_share_of_step"] = extra["gate_seconds_per_step"] / plain_step if plain_step > 0 else None
+    extra["replay_sequences"] = sequences  # written as replay_sequences.parquet, not into summary.json
     return table, extra
 
 
@@ -292,6 +332,7 @@ def run_compare(
             shrink,
         )
     table = figures.compare_table(runs)
+    replay_sequences = pd.DataFrame(extra.pop("replay_sequences"))
     summary = {
         "model": options.model,
         "dataset": run.config.name,
@@ -335,9 +376,15 @@ def run_compare(
         return
     compare_table = pa.Table.from_pandas(runs, preserve_index=False)
     compare_table = compare_table.replace_schema_metadata({schema.SCHEMA_KEY: SCHEMA_VERSION.encode()})
+    tables = {"compare": compare_table}
+    if not replay_sequences.empty:  # one row per (replay configuration, request), first repeat
+        replay_table = pa.Table.from_pandas(
+            replay_sequences.astype({"first_divergence": "Int64"}), preserve_index=False
+        )
+        tables["replay_sequences"] = replay_table.replace_schema_metadata({schema.SCHEMA_KEY: SCHEMA_VERSION.encode()})
     rundir.publish_run(
         out,
-        {"compare": compare_table},
+        tables,
         {"summary": summary, "manifest": manifest},
         lambda staging: plots.compare_plots(table, staging),
     )

@@ -54,15 +54,15 @@ def run_summary(report: ProbeReport) -> dict:
     }
 
 
-def fixed_order_probe_for_run(lm, run, batch_size: int | None = None) -> FixedOrderProbe:
+def fixed_order_probe_for_run(lm, run, batch_size: int | None = None, chunk_tokens: int = 8) -> FixedOrderProbe:
     """The fixed-order forms probed on this run's own prompts (cut to PROBE_MAX_TOKENS), as many
-    rows as its largest batch."""
+    rows as its largest batch; a chunk of `chunk_tokens` checked against its steps."""
     rows = probe_rows(batch_size if batch_size is not None else max(run.options.batch_sizes))
     prompts = [
         torch.tensor(datasets.encode(lm.tokenizer, run.config, r.text)[:PROBE_MAX_TOKENS], device=lm.device)
         for r in run.requests
     ]
-    return probe_fixed_order(lm.model, prompts, rows)
+    return probe_fixed_order(lm.model, prompts, rows, chunk_tokens=chunk_tokens)
 
 
 def fixed_order_summary(probe: FixedOrderProbe) -> dict:

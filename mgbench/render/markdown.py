@@ -183,6 +183,8 @@ def compare_section(run: Path, out: Path, prefix: str) -> list[str]:
     )
     for r in s["reductions"]:
         lines.append(f"- increment reduction always/{r['repair']} over margin/{r['repair']}: {_num(r['median'])}x")
+    for r in s.get("replay_reductions", []):
+        lines.append(f"- increment reduction {r['window']} over {r['gate']} (fixed-order solo): {_num(r['median'])}x")
     lines += [f"- gate alone: {_pct(s['gate_share_of_step'])} of a plain batched step", ""] + fixed_order_lines(s)
     return lines + _copy_plots(run, out, prefix, ("latency_increment.png", "determinism_vs_triggers.png"))
 

@@ -43,12 +43,15 @@ class StartAlignedCache:
         self._rows = torch.arange(batch, device=device)
 
     @classmethod
-    def from_prefills(cls, rows: list[LayerKV], extra: int, chunk: int) -> "StartAlignedCache":
+    def from_prefills(
+        cls, rows: list[LayerKV], extra: int, chunk: int, lengths: list[int] | None = None
+    ) -> "StartAlignedCache":
         """The rows' prefills (each computed alone, [1, kv_heads, len, head_dim] per layer) at their
         positions, with room for `extra` more tokens per row. A sliding-window layer's prefill keeps
-        only its last keys: they go to the prompt's last positions (the longest layer's length)."""
+        only its last keys: they go to the prompt's last positions (`lengths`, the prompts' lengths;
+        by default each row's longest layer, wrong only where every layer slides)."""
         first = rows[0][0][0]
-        lengths = prompt_lengths(rows)
+        lengths = lengths or prompt_lengths(rows)
         cache = cls(len(rows[0]), len(rows), first.shape[1], first.shape[-1], max(lengths) + extra, chunk, first.device)
         for row, (layers, length) in enumerate(zip(rows, lengths)):
             for index, (k, v) in enumerate(layers):
@@ -130,13 +133,13 @@ class StockAlignedCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.batch, self.capacity = batch, capacity
         self.positions: torch.Tensor | None = None
-        self.mask: torch.Tensor | None = None
+        self.length, self._masks = 0, {}
         self._rows = torch.arange(batch, device=device)
 
     @classmethod
-    def from_prefills(cls, rows: list[LayerKV], extra: int) -> "StockAlignedCache":
+    def from_prefills(cls, rows: list[LayerKV], extra: int, lengths: list[int] | None = None) -> "StockAlignedCache":
         first = rows[0][0][0]
-        lengths = prompt_lengths(rows)
+        lengths = lengths or prompt_lengths(rows)
         cache = cls(
             len(rows[0]), len(rows), first.shape[1], first.shape[-1], max(lengths) + extra, first.dtype, first.device
         )
@@ -149,14 +152,25 @@ class StockAlignedCache:
     def feed(self, positions: torch.Tensor) -> None:
         """Positions [batch] of the tokens the next step writes (one per row)."""
         self.positions = positions.view(-1)
-        length = int(self.positions.max()) + 1
-        self.mask = (torch.arange(length, device=positions.device) <= self.positions.view(-1, 1))[:, None, None, :]
+        self.length = int(self.positions.max()) + 1  # the step's one host sync
+        self._masks: dict = {}
+
+    def mask_for(self, window: int | None, dtype) -> torch.Tensor:
+        """Additive mask [batch, 1, 1, length] (0 visible, -inf hidden; eager adds it, SDPA takes it):
+        each row's own keys up to the position fed, within `window` on a sliding-window layer."""
+        if window not in self._masks:
+            keys = torch.arange(self.length, device=self.positions.device)
+            visible = keys <= self.positions.view(-1, 1)
+            if window is not None:
+                visible &= keys > self.positions.view(-1, 1) - window
+            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+            self._masks[window] = mask[:, None, None, :]
+        return self._masks[window]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.keys[layer_idx][self._rows, :, self.positions] = key[:, :, 0]
         self.values[layer_idx][self._rows, :, self.positions] = value[:, :, 0]
-        length = self.mask.shape[-1]
-        return self.keys[layer_idx][:, :, :length], self.values[layer_idx][:, :, :length]
+        return self.keys[layer_idx][:, :, : self.length], self.values[layer_idx][:, :, : self.length]
 
     def copy_row_from(self, source: StartAlignedCache, row: int, start: int, count: int) -> None:
         """Positions start..start+count-1 of one row take `source`'s K/V (a replay's, verified)."""

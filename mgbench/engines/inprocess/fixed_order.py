@@ -83,9 +83,9 @@ def hidden_keys(positions: torch.Tensor, n: int, chunk: int, window: int | None 
 
 def per_row_attention(query, keys, values, positions, *args) -> torch.Tensor:
     """Each row alone over its own chunks (the call its solo decoding makes): the fallback form."""
-    rows = []
+    rows, furthest = [], positions.max(-1).values.tolist()  # one host sync, not one per row
     for r in range(query.shape[0]):
-        n = chunks_for(int(positions[r].max()) + 1, keys.shape[3])
+        n = chunks_for(furthest[r] + 1, keys.shape[3])
         rows.append(
             fixed_order_attention(
                 query[r : r + 1], keys[:n, r : r + 1], values[:n, r : r + 1], positions[r : r + 1], *args
@@ -116,7 +116,9 @@ def _attention(base, module, query, key, value, attention_mask, **kwargs):
     if cache is None:  # a prefill alone (or any forward without the aligned cache): stock kernels
         return base(module, query, key, value, attention_mask, **kwargs)
     if isinstance(cache, StockAlignedCache):  # stock kernels over each row's own keys (replay-verified decoding)
-        return base(module, query, key, value, cache.mask, **kwargs)
+        return base(
+            module, query, key, value, cache.mask_for(attention_arguments(module, kwargs)[1], query.dtype), **kwargs
+        )
     form, arguments = _FORM.get(), attention_arguments(module, kwargs)
     if form != "batched":
         return attention_in_form(form)(query, key, value, cache.positions, *arguments), None
@@ -129,32 +131,23 @@ def _attention(base, module, query, key, value, attention_mask, **kwargs):
 # --- row-wise modules ------------------------------------------------------------------------
 
 
-def rows_of(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.dim() else 1
+def never_one_row(forward, rows: torch.Tensor) -> torch.Tensor:
+    """[rows, features]: a one-row input runs as two identical rows (materialized, not a stride-0 view)."""
+    return forward(torch.cat([rows, rows]))[:1] if rows.shape[0] == 1 else forward(rows)
 
 
-def never_one_row(forward, x: torch.Tensor) -> torch.Tensor:
-    """A one-row input runs as two identical rows (materialized, not a stride-0 view)."""
-    if rows_of(x) != 1:
-        return forward(x)
-    flat = x.reshape(1, x.shape[-1])
-    return forward(torch.cat([flat, flat]))[:1].reshape(*x.shape[:-1], -1)
-
-
-def per_row(forward, x: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] == 1:
-        return forward(x)
-    out = torch.cat([forward(flat[r : r + 1]) for r in range(flat.shape[0])])
-    return out.reshape(*x.shape[:-1], -1)
+def per_row(forward, rows: torch.Tensor) -> torch.Tensor:
+    return forward(rows) if rows.shape[0] == 1 else torch.cat([forward(rows[r : r + 1]) for r in range(rows.shape[0])])
 
 
 def run_in_form(forward, form: str, x: torch.Tensor) -> torch.Tensor:
-    if form == "never-one-row":
-        return never_one_row(forward, x)
-    if form == "per-row":
-        return per_row(forward, x)
-    return forward(x)
+    """`forward` on x [..., features] in `form`. The changed forms see the rows as one 2-D matrix
+    [rows, features] (a batch step's [B, 1, d] and a replay's [1, q, d] alike: the GEMM's own view)."""
+    if form not in ("never-one-row", "per-row"):
+        return forward(x)
+    rows = x.reshape(-1, x.shape[-1])
+    out = never_one_row(forward, rows) if form == "never-one-row" else per_row(forward, rows)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -192,19 +185,26 @@ def default_forms(model, linear_form: str = "never-one-row") -> dict[str, str]:
 
 @contextmanager
 def module_forms(model, forms: dict[str, str]):
-    """Modules named in `forms` run in their form; their own forward comes back afterwards."""
+    """Modules named in `forms` run in their form inside fixed-order forwards (a prefill alone keeps
+    the stock kernels, as the module docstring says); their own forward comes back afterwards."""
     named = dict(model.named_modules())
-    patched = []
+    patched = []  # (module, the instance forward it had, if any: a hook's)
     try:
         for name, form in forms.items():
             module = named[name]
-            forward = type(module).forward.__get__(module)
-            module.forward = lambda x, forward=forward, form=form: run_in_form(forward, form, x)
-            patched.append(module)
+            previous = module.__dict__.get("forward")
+            forward = previous or type(module).forward.__get__(module)
+            module.forward = lambda x, forward=forward, form=form: (
+                run_in_form(forward, form, x) if isinstance(_CACHE.get(), StartAlignedCache) else forward(x)
+            )
+            patched.append((module, previous))
         yield
     finally:
-        for module in patched:
-            del module.forward  # the instance attribute shadowed the class's forward
+        for module, previous in reversed(patched):
+            if previous is None:
+                del module.forward  # the instance attribute shadowed the class's forward
+            else:
+                module.forward = previous
 
 
 @contextmanager

@@ -83,7 +83,8 @@ class AlignedDecoder:
         self.prefill = rows[0]
         self.logits = torch.stack([p.logits for p in rows])
         self.dtype = self.logits.dtype
-        self.cache = StartAlignedCache.from_prefills([p.layers for p in rows], room, plan.chunk)
+        lengths = [len(p) for p in prompts]
+        self.cache = StartAlignedCache.from_prefills([p.layers for p in rows], room, plan.chunk, lengths)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return fixed_order_step(self.model, self.cache, tokens, positions)

@@ -81,24 +81,32 @@ class _Row:
         return self.prompt_len + len(self.tokens) - 1
 
 
+REPLAY_CHUNK = 64  # tokens per replay forward: the chunk size the probe checks against steps
+
+
 def _replay(model, kernels: Kernels, fixed: StartAlignedCache, stock: StockAlignedCache, r: int, row: _Row) -> None:
-    """Verify row `r`'s unverified tokens by one fixed-order forward; roll back at the first mismatch."""
+    """Verify row `r`'s unverified tokens by fixed-order forwards of at most REPLAY_CHUNK tokens
+    (memory stays bounded by the chunk, not by the tail); roll back at the first mismatch."""
     v, end = row.verified, len(row.tokens)
     if end <= v:
         return
     device = stock.keys[0].device
-    inputs = torch.tensor(row.tokens[v - 1 : end - 1], device=device).view(1, -1)
-    positions = (row.prompt_len + v - 1 + torch.arange(end - v, device=device)).view(1, -1)
-    with module_forms(model, kernels.plan.forms):
-        predicted = fixed_order_forward(model, fixed.row(r), inputs, positions)[0].argmax(-1).tolist()
-    row.verifications, row.replayed = row.verifications + 1, row.replayed + (end - v)
-    mismatch = next((j for j, token in enumerate(predicted) if token != row.tokens[v + j]), None)
-    if mismatch is None:
-        verified = end
-    else:
-        row.rollbacks, row.discarded = row.rollbacks + 1, row.discarded + (end - v - mismatch - 1)
-        row.tokens = row.tokens[: v + mismatch] + [predicted[mismatch]]
-        verified = v + mismatch + 1
+    row.verifications += 1
+    verified = v
+    while verified < end:
+        stop = min(end, verified + REPLAY_CHUNK)
+        inputs = torch.tensor(row.tokens[verified - 1 : stop - 1], device=device).view(1, -1)
+        positions = (row.prompt_len + verified - 1 + torch.arange(stop - verified, device=device)).view(1, -1)
+        with module_forms(model, kernels.plan.forms):
+            predicted = fixed_order_forward(model, fixed.row(r), inputs, positions)[0].argmax(-1).tolist()
+        row.replayed += stop - verified
+        mismatch = next((j for j, token in enumerate(predicted) if token != row.tokens[verified + j]), None)
+        if mismatch is not None:
+            row.rollbacks, row.discarded = row.rollbacks + 1, row.discarded + (end - verified - mismatch - 1)
+            row.tokens = row.tokens[: verified + mismatch] + [predicted[mismatch]]
+            verified += mismatch + 1
+            break
+        verified = stop
     stock.copy_row_from(fixed, r, row.prompt_len + v - 1, verified - v)  # the verified inputs' K/V
     row.verified = verified
 
@@ -123,8 +131,9 @@ def run_replay_verified(
     with kernels.active(model):
         prefills = row_prefills(model, prompts, prefills)
     layers = [p.layers for p in prefills]
-    fixed = StartAlignedCache.from_prefills(layers, max_new_tokens + 1, kernels.plan.chunk)
-    stock = StockAlignedCache.from_prefills(layers, max_new_tokens + 1)
+    lengths = [len(p) for p in prompts]
+    fixed = StartAlignedCache.from_prefills(layers, max_new_tokens + 1, kernels.plan.chunk, lengths)
+    stock = StockAlignedCache.from_prefills(layers, max_new_tokens + 1, lengths)
     rows = [_Row(len(p), int(pre.logits.argmax())) for p, pre in zip(prompts, prefills)]
     eos = set(eos_ids)
     timer = DecodeTimer(device)
@@ -135,8 +144,9 @@ def run_replay_verified(
             inputs = torch.tensor([pad_id if r.done else r.tokens[-1] for r in rows], device=device)
             positions = torch.tensor([r.next_position for r in rows], device=device)
             logits = fixed_order_forward(model, stock, inputs.view(-1, 1), positions.view(-1, 1))[:, -1]
-            tokens = logits.argmax(-1).tolist()
-            margin, margin_ulp = (m.tolist() for m in margins(logits))
+            # One host copy per step: tokens (exact in float32 below 2**24) and both margins.
+            tokens, margin, margin_ulp = torch.stack([logits.argmax(-1).float(), *margins(logits)]).tolist()
+            tokens = [int(t) for t in tokens]
             for r, row in enumerate(rows):
                 if row.done:
                     continue
