@@ -35,7 +35,7 @@ test: setup vllm llamacpp
 
 # The in-process, hardware-sensitive tests again under every other kernel family this CPU runs
 # (ATEN_CPU_CAPABILITY with ONEDNN_MAX_CPU_ISA): a control that holds on one family only fails here.
-MATRIX_TESTS := tests/test_engine.py tests/test_batch_invariant.py tests/test_fixed_order.py tests/test_attention_forms.py tests/test_verify.py tests/test_compare.py \
+MATRIX_TESTS := tests/test_engine.py tests/test_batch_invariant.py tests/test_fixed_order.py tests/test_replay.py tests/test_attention_forms.py tests/test_verify.py tests/test_compare.py \
 	tests/test_gate.py tests/test_hardware.py tests/test_old_runs.py
 test-matrix: setup
 	@$(BIN)/python -m mgbench.runs.machine | while read -r pair; do \

@@ -32,6 +32,7 @@ from mgbench.engines.inprocess.fixed_order import (
     run_in_form,
     wrapped_attention,
 )
+from mgbench.engines.inprocess.invariance_probe import _time_ms  # synchronizes on CUDA
 from mgbench.engines.inprocess.kernels import row_prefills
 from mgbench.engines.inprocess.metrics import max_abs_diff
 
@@ -103,16 +104,6 @@ def _label(name: str, module) -> str:
     return f"{type(module).__name__} {short}"
 
 
-def _time_ms(fn, repeats: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1000
-
-
 def _compare(batched: torch.Tensor, alone: list[torch.Tensor]) -> tuple[int, float]:
     """(rows of `batched` not bitwise equal to the row computed alone, max |diff| over them)."""
     differing, worst = 0, 0.0
@@ -182,7 +173,7 @@ def _module_verdicts(model, capture: _Capture, sizes: list[int]) -> list[FormVer
                         differing, worst = differing + d, max(worst, w)
             module = named[names[0]]
             forward, x = type(module).forward.__get__(module), capture.modules[names[0]][0]
-            ms = _time_ms(lambda: run_in_form(forward, form, x))
+            ms = _time_ms(lambda: run_in_form(forward, form, x), x.device)
             verdicts.append(FormVerdict(label, form, len(names), differing == 0, differing, worst, ms))
     return verdicts
 
@@ -205,7 +196,7 @@ def _attention_verdicts(capture: _Capture, sizes: list[int], chunk: int) -> list
                 d, w = _compare(out, alone[:m])
                 differing, worst = differing + d, max(worst, w)
         query, keys, values, positions, args = capture.attention[0]
-        ms = _time_ms(lambda: attend(query, keys, values, positions, *args))
+        ms = _time_ms(lambda: attend(query, keys, values, positions, *args), query.device)
         verdicts.append(FormVerdict("attention", form, len(capture.attention), differing == 0, differing, worst, ms))
     return verdicts
 
