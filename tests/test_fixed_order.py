@@ -294,6 +294,13 @@ def test_cli_probe_fixed_order_json(tiny_model_dir, tmp_path):
     parts = {v["part"] for v in found["verdicts"]}
     assert "attention" in parts and any(p.startswith("linear lm_head") for p in parts)
     assert all(sum(v["chosen"] for v in found["verdicts"] if v["part"] == p) == 1 for p in parts)
+    # report.md renders the verdicts: one table row per (part, form), and the chunk check's figures.
+    report = runner.invoke(app, ["report", str(tmp_path / "p"), "--out", str(tmp_path / "r")])
+    assert report.exit_code == 0, report.output
+    text = (tmp_path / "r" / "report.md").read_text()
+    assert sum(line.startswith("| attention |") for line in text.splitlines()) == 2
+    check = found["chunk_vs_steps"]
+    assert f"{check['rows_differing']} of {check['rows']} logit rows differ" in text
 
 
 def tiny_gemma3(window: int = 16):
