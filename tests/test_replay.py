@@ -1,12 +1,12 @@
 """Verification by replay against the fixed-order reference: LLM-42's window policy and MarginGate.
 
-Controls: a stock-path head planted to move every batched step's argmax must be caught and rolled
+Controls: a stock-path head planted to force a token the reference never emits must be caught and rolled
 back (window, and MarginGate with the end check) while unverified decoding diverges; tokens that the
 fixed-order kernels produced step by step must replay without a rollback (a chunk equals its steps)."""
 
 import pytest
 import torch
-from helpers import plant_near_ties, random_prompts, runner_up_past_top, tiny_llama
+from helpers import plant_near_ties, random_prompts, tiny_llama
 
 from mgbench.engines.inprocess import fixed_order
 from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, StockAlignedCache
@@ -18,31 +18,40 @@ from mgbench.engines.inprocess.runners import run_solo
 STEPS = 16
 
 
-class StockOnlyNudgedHead(torch.nn.Module):
+class StockOnlyForcedToken(torch.nn.Module):
     """PLANTED VARIANCE on the stock path only: during a stock decode step over the start-aligned
-    cache, the head moves every row's argmax to its runner-up (margin below 1e9: always). Fixed-order
-    forwards (solo reference, replays) are untouched. Every batched stock token after the prefill's
-    is certainly wrong."""
+    cache, token `token`'s logit becomes one step above the top (a one-ulp margin), so every batched
+    stock step emits it; fixed-order forwards (solo reference, replays) are untouched. `token` is one
+    the fixed-order solo outputs never contain (checked), so every stock token after the prefill's is
+    certainly wrong."""
 
     def __init__(self, head):
         super().__init__()
-        self.head = head
+        self.head, self.token = head, None
 
     def forward(self, x):
         out = self.head(x)
-        return runner_up_past_top(out, 1e9) if isinstance(fixed_order._CACHE.get(), StockAlignedCache) else out
+        if self.token is None or not isinstance(fixed_order._CACHE.get(), StockAlignedCache):
+            return out
+        top = out.amax(-1)
+        out = out.clone()
+        out[..., self.token] = torch.nextafter(top, torch.full_like(top, float("inf")))
+        return out
 
 
 def setup(planted: bool, lengths=(5, 37, 70, 130, 12)):
     model = tiny_llama(kv_heads=2)
     plant_near_ties(model)
     if planted:
-        model.lm_head = StockOnlyNudgedHead(model.lm_head)
+        model.lm_head = StockOnlyForcedToken(model.lm_head)
     prompts = random_prompts(list(lengths), vocab=8192, seed=11)
     with torch.inference_mode():
         kernels = Kernels("fixed-order", probe_fixed_order(model, prompts, rows=len(prompts)).plan)
         with kernels.active(model):
             solos = [run_solo(model, p, STEPS, set(), kernels) for p in prompts]
+    if planted:
+        seen = {t for s in solos for t in s.tokens.tolist()}
+        model.lm_head.token = min(set(range(1, 8192)) - seen)
     return model, prompts, kernels, solos
 
 
@@ -65,7 +74,7 @@ def test_a_planted_stock_flip_is_caught_and_rolled_back(planted, spec):
     assert result.tokens == [s.tokens.tolist() for s in solos]
     assert all(r >= 1 for r in result.rollbacks), "every row's first stock token was planted wrong"
     assert all(len(t) == STEPS for t in result.tokens)
-    if spec.kind == "margin":  # the nudged margin is one ulp: the gate fires at every batched step
+    if spec.kind == "margin":  # the forced margin is one ulp: the gate fires at every batched step
         assert result.triggers == result.steps
 
 
