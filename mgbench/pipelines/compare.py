@@ -40,7 +40,7 @@ from mgbench.render.console import console, err_console, progress_bar
 from mgbench.runs import rundir, schema
 from mgbench.runs.groups import ProgressFn, order_requests
 from mgbench.runs.oom import run_shrinking_on_oom
-from mgbench.runs.options import RunOptions
+from mgbench.runs.options import RunOptions, reference_of
 from mgbench.runs.placement import Placement
 
 BREAKDOWN = ("gate", "decision_sync", "reference_forward", "cache_ops")
@@ -89,8 +89,8 @@ def configurations(tau: float, unit: str, only: tuple[str, ...] | None = None) -
     return chosen
 
 
-def reference_of(config: Config) -> str:
-    return "fixed-order solo" if config.name == "fixed-order kernels" or config.replay else "stock solo"
+def config_reference(config: Config) -> str:
+    return reference_of("fixed-order" if config.name == "fixed-order kernels" or config.replay else "stock")
 
 
 def _decode_config(
@@ -230,14 +230,14 @@ def time_configurations(
                 seconds, outputs, triggers, repairs, counts = _decode_config(
                     config, lm, batches, solos, run, eos_ids, pad_id, stopwatch, plan, (kernels, fixed_solos)
                 )
-                reference = references[reference_of(config)]
+                reference = references[config_reference(config)]
                 identical = sum(first_divergence(reference[i], outputs[i]) is None for i in order)
                 for i, record in counts.pop("per_sequence", {}).items():
                     if repeat == 0:
                         sequences.append(
                             {
                                 "config": config.name,
-                                "reference": reference_of(config),
+                                "reference": config_reference(config),
                                 "request_id": run.requests[i].request_id,
                                 "tokens": len(outputs[i]),
                                 "first_divergence": first_divergence(reference[i], outputs[i]),
@@ -252,7 +252,7 @@ def time_configurations(
                         "config": config.name,
                         "policy": config.spec.kind if config.spec else config.name,
                         "repair": config.spec.repair if config.spec and config.spec.kind != "none" else "",
-                        "reference": reference_of(config),
+                        "reference": config_reference(config),
                         "repeat": repeat,
                         "seconds": seconds,
                         "tokens": sum(len(outputs[i]) - 1 for i in order),

@@ -26,7 +26,7 @@ from mgbench.render.junit import flips_junit, write_junit
 from mgbench.runs import rundir, schema
 from mgbench.runs.groups import ProgressFn
 from mgbench.runs.oom import SplitFn
-from mgbench.runs.options import RunOptions
+from mgbench.runs.options import RunOptions, reference_of
 from mgbench.runs.parts import RunWriter, finish_run
 from mgbench.runs.placement import Placement, output_dir
 
@@ -64,7 +64,7 @@ def summarize(run: PreparedRun, steps: StepAggregates, sequences: pd.DataFrame, 
         "prefill": options.prefill,
         "batch_invariant": options.batch_invariant,
         "kernels": options.kernels,
-        "reference": "fixed-order solo" if options.kernels == "fixed-order" else "stock solo",
+        "reference": reference_of(options.kernels),
         **fixed_order_figures(group_records),
         "max_new_tokens": run.max_new_tokens,
         "batch_sizes": list(options.batch_sizes),

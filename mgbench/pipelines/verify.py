@@ -31,7 +31,7 @@ from mgbench.render.junit import junit_xml, write_junit
 from mgbench.runs import rundir, schema
 from mgbench.runs.groups import ProgressFn, batch_id_base, wanted_groups
 from mgbench.runs.oom import SplitFn, recording_splits, run_splitting_on_oom
-from mgbench.runs.options import RunOptions
+from mgbench.runs.options import RunOptions, reference_of
 from mgbench.runs.parts import RunWriter, finish_run
 from mgbench.runs.placement import Placement, output_dir
 from mgbench.runs.schema import VERIFY_SEQUENCES_SCHEMA, VERIFY_STEP_FIELDS, VERIFY_STEPS_SCHEMA
@@ -272,7 +272,7 @@ def summarize(
         "needle": needle,
         "batch_invariant": run.options.batch_invariant,
         "kernels": run.options.kernels,
-        "reference": "fixed-order solo" if run.options.kernels == "fixed-order" else "stock solo",
+        "reference": reference_of(run.options.kernels),
         "batch_sizes": list(run.options.batch_sizes),
         "max_new_tokens": run.max_new_tokens,
         "threshold": margin.tau if margin else None,

@@ -16,6 +16,11 @@ PREFILL_MODES = ("alone", "batched")
 KERNEL_SETS = ("stock", "fixed-order")
 
 
+def reference_of(kernels: str) -> str:
+    """What the determinism figures of a run with these kernels are measured against."""
+    return "fixed-order solo" if kernels == "fixed-order" else "stock solo"
+
+
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
     """'1,4,16' -> (1, 4, 16); a clear error for anything else."""
     try:

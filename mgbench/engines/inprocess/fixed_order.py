@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, StockAlignedCache, chunks_for
-from mgbench.engines.inprocess.batch_invariant import wrapped_attention
+from mgbench.engines.inprocess.batch_invariant import run_in_chunks, wrapped_attention
 
 CHUNK = 64  # keys per reduction chunk (the probe checks it)
-LINEAR_FORMS = ("as-is", "never-one-row", "per-row")
 _CACHE: ContextVar[StartAlignedCache | None] = ContextVar("mgbench_fixed_order_cache", default=None)
 
 
@@ -136,17 +135,13 @@ def never_one_row(forward, rows: torch.Tensor) -> torch.Tensor:
     return forward(torch.cat([rows, rows]))[:1] if rows.shape[0] == 1 else forward(rows)
 
 
-def per_row(forward, rows: torch.Tensor) -> torch.Tensor:
-    return forward(rows) if rows.shape[0] == 1 else torch.cat([forward(rows[r : r + 1]) for r in range(rows.shape[0])])
-
-
 def run_in_form(forward, form: str, x: torch.Tensor) -> torch.Tensor:
     """`forward` on x [..., features] in `form`. The changed forms see the rows as one 2-D matrix
     [rows, features] (a batch step's [B, 1, d] and a replay's [1, q, d] alike: the GEMM's own view)."""
     if form not in ("never-one-row", "per-row"):
         return forward(x)
     rows = x.reshape(-1, x.shape[-1])
-    out = never_one_row(forward, rows) if form == "never-one-row" else per_row(forward, rows)
+    out = never_one_row(forward, rows) if form == "never-one-row" else run_in_chunks(forward, rows, (1,))
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -172,15 +167,6 @@ class FixedOrderPlan:
             "modules": {form: len(names) for form, names in labels.items()},
             "fallbacks": list(self.fallbacks),
         }
-
-
-def default_forms(model, linear_form: str = "never-one-row") -> dict[str, str]:
-    """Every linear layer (the lm_head included) in `linear_form`."""
-    if linear_form not in LINEAR_FORMS:
-        raise ValueError(f"unknown linear form {linear_form!r}")
-    if linear_form == "as-is":
-        return {}
-    return {name: linear_form for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
 @contextmanager

@@ -22,6 +22,7 @@ import torch
 
 from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, chunks_for
 from mgbench.engines.inprocess.fixed_order import (
+    _CACHE,
     CHUNK,
     FixedOrderPlan,
     attention_arguments,
@@ -140,8 +141,6 @@ class _Capture:
         return hook
 
     def record(self, base, module, query, key, value, mask, **kwargs):
-        from mgbench.engines.inprocess.fixed_order import _CACHE
-
         cache = _CACHE.get()
         if cache is not None and query.shape[0] == self.batch and module.layer_idx in self.layers:
             args = attention_arguments(module, kwargs)

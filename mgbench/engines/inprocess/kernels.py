@@ -20,8 +20,7 @@ from mgbench.engines.inprocess.aligned_cache import StartAlignedCache
 from mgbench.engines.inprocess.cache import cache_layers, clone_layers, columns_of_row
 from mgbench.engines.inprocess.decode import RowPrefill, assemble_prefilled, decode_step, prefill_alone, prefill_batched
 from mgbench.engines.inprocess.fixed_order import FixedOrderPlan, fixed_order_kernels, fixed_order_step
-
-KERNELS = ("stock", "fixed-order")
+from mgbench.runs.options import KERNEL_SETS
 
 
 def row_prefills(model, prompts, known: list | None = None) -> list[RowPrefill]:
@@ -101,7 +100,7 @@ class Kernels:
     plan: FixedOrderPlan | None = None
 
     def __post_init__(self) -> None:
-        if self.name not in KERNELS:
+        if self.name not in KERNEL_SETS:
             raise ValueError(f"unknown kernels {self.name!r}")
         if self.name == "fixed-order" and self.plan is None:
             raise ValueError("fixed-order kernels need a plan")
@@ -109,11 +108,6 @@ class Kernels:
     @property
     def fixed_order(self) -> bool:
         return self.name == "fixed-order"
-
-    @property
-    def reference(self) -> str:
-        """What a determinism figure of this kernel set is measured against."""
-        return "fixed-order solo" if self.fixed_order else "stock solo"
 
     def active(self, model):
         """The block every forward of the run (solo reference included) runs inside."""
