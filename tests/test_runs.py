@@ -357,6 +357,9 @@ def test_tensor_parallel_under_torchrun_writes_one_run(tiny_model_dir, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tp"]  # rank 1 wrote nothing
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["options"]["tp_plan"] == "auto" and manifest["options"]["shard"] == "0/1"
+    # Rank 0's cache holds its half of the K/V heads: the steps table's K/V deltas are labelled so.
+    assert manifest["tensor_parallel"]["kv_delta_heads"] == "rank 0's kv heads only"
+    assert manifest["tensor_parallel"]["ranks"] == 2
     assert len(pd.read_parquet(out / "sequences.parquet")) == 2
 
 

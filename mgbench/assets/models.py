@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -193,6 +194,48 @@ def placement_kwargs(device: str, tp_plan: str | None) -> dict:
     return {"distributed_config": DistributedConfig(tp_plan=tp_plan)}
 
 
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _causes(exc: BaseException):
+    """`exc`, then what it was raised from (or during), outermost first."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+# What a failed process-group start says (transformers wraps it: "We tried to initialize
+# torch.distributed for you, but it failed").
+_PROCESS_GROUP_WORDS = re.compile(
+    r"torch\.distributed|process ?group|\bnccl\b|\bgloo\b|rendezvous|MASTER_(ADDR|PORT)", re.IGNORECASE
+)
+
+
+def process_group_failure(exc: BaseException) -> BaseException | None:
+    """The deepest error of a failed torch.distributed start behind `exc` (the reason it names),
+    or None when `exc` is something else (a missing file, a bad config)."""
+    import torch.distributed as dist
+
+    dist_errors = (dist.DistError,) if hasattr(dist, "DistError") else ()
+    chain = list(_causes(exc))
+    if not any(isinstance(e, dist_errors) or _PROCESS_GROUP_WORDS.search(str(e)) for e in chain):
+        return None
+    return chain[-1]
+
+
+def bind_device(device: str) -> None:
+    """Make a CUDA device this process's current one, so work that names no device (CUDA events,
+    the current stream, the caching allocator) lands on the GPU of this rank, not on GPU 0."""
+    import torch
+
+    if torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))
+
+
 def load_tokenizer(name: str):
     """(tokenizer, source) of a model without its weights: an endpoint audit applies the chat
     template locally and sends token ids."""
@@ -222,6 +265,7 @@ def load_model(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # mgbench draws its own progress; the loader's bar is noise
+    bind_device(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
@@ -232,14 +276,24 @@ def load_model(
             trust_remote_code=False,
             **placement_kwargs(device, tp_plan),
         )
-    except OSError as exc:
+    except Exception as exc:
+        failed = process_group_failure(exc) if tp_plan else None
+        if failed is not None:
+            raise UserError(
+                f"--tp-plan {tp_plan}: starting the torch.distributed process group failed ({first_line(failed)}); "
+                "run under torchrun (one process per GPU, MASTER_ADDR and MASTER_PORT set by it) and check "
+                "the backend (NCCL_DEBUG=INFO for NCCL, gloo on CPU)"
+            ) from exc
+        if not isinstance(exc, OSError):
+            raise
         raise UserError(
-            f"cannot load model {name!r} from {source} offline ({str(exc).splitlines()[0]}); "
+            f"cannot load model {name!r} from {source} offline ({first_line(exc)}); "
             f"download it first (`hf download {source}`) or pass a local folder"
         ) from exc
     model.eval()
     if tp_plan:
-        device = str(model.device)
+        device = str(model.device)  # the rank's GPU, chosen by transformers from LOCAL_RANK
+        bind_device(device)
     return LoadedModel(
         name=name, source=source, model=model, tokenizer=tokenizer, dtype=dtype, device=device, attn=attn
     )

@@ -26,7 +26,7 @@ from mgbench.cli.options import (
 )
 from mgbench.errors import UserError
 from mgbench.runs.options import RunOptions
-from mgbench.runs.placement import Placement, rank_device
+from mgbench.runs.placement import Placement
 
 
 def compare(
@@ -92,7 +92,7 @@ def compare(
             prefill="alone",
             sort_by_length=sort_by_length,
             dtype=dtype,
-            device=rank_device(device),
+            device=device,
             attn=attn,
             tp_plan=tp_plan,
         )

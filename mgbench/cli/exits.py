@@ -6,15 +6,19 @@ from contextlib import contextmanager
 
 import typer
 
-from mgbench.errors import UserError
+from mgbench.errors import NothingToDo, UserError
 from mgbench.render.console import err_console
 
 
 @contextmanager
 def user_errors(debug: bool):
-    """Bad input -> one line on stderr and exit code 2 (the traceback only with --debug)."""
+    """Bad input -> one line on stderr and exit code 2 (the traceback only with --debug); work
+    already done -> one line on stderr and exit code 0."""
     try:
         yield
+    except NothingToDo as exc:
+        err_console.print(f"[green]done:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(0) from None
     except UserError as exc:
         if debug:
             err_console.print_exception()

@@ -37,7 +37,7 @@ from mgbench.cli.options import (
 from mgbench.engines.endpoint.client import EndpointOptions
 from mgbench.errors import UserError
 from mgbench.runs.options import RunOptions, parse_batch_sizes
-from mgbench.runs.placement import Placement, rank_device
+from mgbench.runs.placement import Placement
 
 
 def flips(
@@ -172,7 +172,7 @@ def flips(
             prefill=prefill,
             sort_by_length=sort_by_length,
             dtype=dtype,
-            device=rank_device(device),
+            device=device,
             attn=attn,
             tp_plan=tp_plan,
             batch_invariant=batch_invariant,

@@ -33,7 +33,7 @@ from mgbench.cli.options import (
 )
 from mgbench.errors import UserError
 from mgbench.runs.options import RunOptions, parse_batch_sizes
-from mgbench.runs.placement import Placement, rank_device
+from mgbench.runs.placement import Placement
 
 
 def verify(
@@ -125,7 +125,7 @@ def verify(
             prefill=prefill,
             sort_by_length=sort_by_length,
             dtype=dtype,
-            device=rank_device(device),
+            device=device,
             attn=attn,
             tp_plan=tp_plan,
             batch_invariant=batch_invariant,

@@ -13,13 +13,15 @@ from mgbench.assets import models
 from mgbench.render.console import console, err_console
 from mgbench.render.markdown import section_markdown
 from mgbench.runs.options import RunOptions
-from mgbench.runs.placement import Placement
+from mgbench.runs.placement import Placement, rank_device
 from mgbench.runs.rundir import json_text, missing_shards
 
 
 def load_with_status(options: RunOptions):
+    """The run's model, on this rank's device (`--device cuda` under torchrun: cuda:LOCAL_RANK)."""
     with err_console.status(f"loading {options.model}"):
-        return models.load_model(options.model, options.dtype, options.device, options.attn, options.tp_plan)
+        device = rank_device(options.device)
+        return models.load_model(options.model, options.dtype, device, options.attn, options.tp_plan)
 
 
 def warn_split(batch_size: int, half: int) -> None:

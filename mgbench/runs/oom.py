@@ -39,22 +39,50 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def release_memory() -> None:
+    """Free what a failed attempt held: this process's CUDA caching allocator (the blocks of the
+    GPUs this process used, its rank's GPU under torchrun), never touching CUDA on a CPU run."""
     import torch
 
     gc.collect()
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
 
+OTHER_RANK = "out of memory on another rank"
+
+
+def any_rank_out_of_memory(here: bool) -> bool:
+    """Whether this attempt ran out of memory on any rank of the process group (tensor
+    parallelism: every rank runs the same batch, so all must split together, or all stop).
+    Without an initialized process group (one process, or data-parallel shards that decode
+    different batches), this process's own answer."""
+    import torch
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return here
+    # NCCL reduces GPU tensors only (on this rank's GPU: the current device, bound at load).
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if here else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def _attempt(run: Callable[[], Result]) -> tuple[bool, Result | str]:
-    """(True, result), or (False, the error's first line) when `run` ran out of memory."""
+    """(True, result), or (False, the error's first line) when `run` ran out of memory, here or
+    (tensor parallelism) on another rank: a rank whose attempt succeeded then discards its result."""
+    result, failed = None, None
     try:
-        return True, run()
+        result = run()
     except BaseException as exc:  # noqa: B036 - only out-of-memory is handled, the rest re-raised
         if not is_out_of_memory(exc):
             raise
         failed = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    # Returned outside the except block, so the failed attempt's frames (and tensors) are freed.
+    # Outside the except block, so the failed attempt's frames (and tensors) are freed.
+    if any_rank_out_of_memory(failed is not None) and failed is None:
+        result, failed = None, OTHER_RANK
+    if failed is None:
+        return True, result
     release_memory()
     return False, failed
 

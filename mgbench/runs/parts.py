@@ -24,7 +24,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mgbench.errors import UserError
+from mgbench.errors import NothingToDo, UserError
 from mgbench.runs import rundir
 from mgbench.runs.shards import Shard
 
@@ -98,12 +98,6 @@ class RunWriter:
             rundir.prepare_out_dir(self.out)
             return
         rundir.prepare_out_dir(self.out, sharded=True)
-        marker = rundir.shard_marker(self.out, self.shard)
-        if marker.exists() and resume and not rundir.is_complete_run(self.out) and not rundir.missing_shards(self.out):
-            self.finishing_only = True
-            return
-        if marker.exists():
-            raise UserError(f"shard {self.shard} of {self.out} is already complete; choose another --out or shard")
         for document in rundir.shard_documents(self.out):
             if document.get("fingerprint") != self.fingerprint:
                 changed = "; ".join(differences(document.get("fingerprint") or {}, self.fingerprint)[:3])
@@ -111,6 +105,20 @@ class RunWriter:
                     f"--out {self.out} holds shards of a different run ({changed}); "
                     "use the same options for every shard, or another --out"
                 )
+        marker = rundir.shard_marker(self.out, self.shard)
+        if not marker.exists():
+            return
+        if not resume:
+            raise UserError(f"shard {self.shard} of {self.out} is already complete; choose another --out or shard")
+        if not rundir.is_complete_run(self.out) and not rundir.missing_shards(self.out):
+            self.finishing_only = True
+            return
+        # Exit 0, writing nothing: under torchrun a failing rank would stop the ranks still resuming.
+        waiting = rundir.missing_shards(self.out)
+        raise NothingToDo(
+            f"shard {self.shard} of {self.out} is already complete; nothing to resume"
+            + (f" (waiting for shard {', '.join(waiting)})" if waiting else "")
+        )
 
     def _open(self, resume: bool) -> None:
         try:

@@ -13,7 +13,10 @@ from mgbench.runs.shards import resolve_shard, torchrun_rank
 
 
 def rank_device(device: str) -> str:
-    """Under torchrun each process takes the GPU of its LOCAL_RANK."""
+    """Under torchrun each process takes the GPU of its LOCAL_RANK.
+
+    Where this process runs, not what the run is: applied when the model is loaded, never to the
+    run's options (they are fingerprinted, and every rank of one run must fingerprint alike)."""
     launched = torchrun_rank()
     if launched is None or device not in ("auto", "cuda"):
         return device

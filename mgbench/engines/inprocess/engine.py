@@ -10,6 +10,25 @@ from mgbench.engines.interface import run_options
 from mgbench.runs import rundir
 
 
+def tensor_parallel_facts(tp_plan: str | None) -> dict:
+    """What a tensor-parallel run's figures cover: rank 0 audits, and its K/V cache holds only its
+    slice of the key/value heads, so the steps table's K/V deltas measure those heads alone."""
+    if not tp_plan:
+        return {}
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    return {
+        "tensor_parallel": {
+            "tp_plan": tp_plan,
+            "ranks": ranks,
+            "kv_delta_heads": "rank 0's kv heads only",
+            "note": "kv_delta_mean and kv_delta_max (steps table) cover the key/value heads of rank 0's "
+            "shard of the model, not every head; logits, tokens and margins are the whole model's",
+        }
+    }
+
+
 class InProcessEngine:
     method = "teacher-forced"
 
@@ -54,6 +73,7 @@ class InProcessEngine:
                 **({"probe": self.probe.to_dict()} if self.probe is not None else {}),
                 "kernels": self.kernels.name,
                 **({"fixed_order": self.kernel_facts} if self.kernels.fixed_order else {}),
+                **tensor_parallel_facts(run.options.tp_plan),
             },
             inputs=run.inputs,
         )
