@@ -97,9 +97,9 @@ def test_identical_runs_write_identical_parquet(reference, tiny_model_dir, tmp_p
     for name in ("c1", "c2"):
         invoke(["calibrate", str(reference), "--out", str(tmp_path / name)])
     assert parquet_bytes(tmp_path / "c1") == parquet_bytes(tmp_path / "c2") != {}
-    # Manifests differ only where they must (the time of the run).
+    # Manifests differ only where they must (the time of the run, the memory it peaked at).
     m1, m2 = (json.loads((tmp_path / v / "manifest.json").read_text()) for v in ("v1", "v2"))
-    assert {k for k in m1 if m1[k] != m2[k]} <= {"created_utc", "argv"}
+    assert {k for k in m1 if m1[k] != m2[k]} <= {"created_utc", "argv", "peak_memory"}
 
 
 CRASHING_MAIN = """

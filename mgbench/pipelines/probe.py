@@ -127,6 +127,13 @@ def run_probe(options: RunOptions, rows: int, json_out: bool, out: Path) -> None
     finish_output(out, found, json_out, lambda: render(console, found, options.model, lm.dtype))
 
 
+def probed_on(machine: dict) -> str:
+    """The device a probe ran on, as its status line names it: the GPU, or the CPU and its ISA."""
+    if "gpu" in machine:
+        return f"{machine['gpu']} ({machine['device']})"
+    return f"{machine['cpu']}, {machine['cpu_capability']}"
+
+
 def probe_if_invariant(lm, run):
     """The probe a --batch-invariant run plans with (None otherwise), said in one line."""
     if lm is None or not run.options.batch_invariant:
@@ -137,8 +144,8 @@ def probe_if_invariant(lm, run):
         report = probe_for_run(lm, run)
     changed = len(report.plan.forms)
     line = (
-        f"batch-invariant mode: per-row attention, {changed} varying modules in exact forms "
-        f"(probe: {report.machine['cpu']}, {report.machine['cpu_capability']})"
+        f"batch-invariant mode: attention {report.plan.attention.label}, {changed} varying modules in exact "
+        f"forms (probe: {probed_on(report.machine)})"
     )
     if report.exact:
         err_console.print(f"[green]{line}; exact on the probe batch[/]", highlight=False)

@@ -138,6 +138,28 @@ def device_name(device: str) -> str:
     return f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})"
 
 
+def peak_memory(device: str) -> dict:
+    """The most memory the run held: on CUDA the peak allocated on its device (torch's allocator,
+    since the process started), elsewhere the process's peak resident set."""
+    torch = sys.modules.get("torch")
+    if device.startswith("cuda") and torch is not None and torch.cuda.is_initialized():
+        return {
+            "bytes": int(torch.cuda.max_memory_allocated(torch.device(device))),
+            "kind": "cuda allocated",
+            "device": device,
+        }
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return {"bytes": None, "kind": "unmeasured", "device": device}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return {
+        "bytes": int(peak if sys.platform == "darwin" else peak * 1024),
+        "kind": "process peak RSS",
+        "device": device,
+    }
+
+
 def manifest(
     command: str, options: dict, device: str, extra: dict | None = None, inputs: list[dict] | None = None
 ) -> dict:
@@ -161,6 +183,7 @@ def manifest(
         "device": device,
         "device_name": device_name(device),
         "torch_threads": torch.get_num_threads() if torch is not None else None,
+        "peak_memory": peak_memory(device),
         "kernel_environment": kernel_environment(),
         "inputs": inputs or [],
         "git_revision": git_revision(),

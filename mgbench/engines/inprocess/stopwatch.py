@@ -15,19 +15,20 @@ import torch
 
 class Stopwatch:
     def __init__(self, device: str = "cpu"):
-        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.seconds: dict[str, float] = defaultdict(float)
 
     @contextmanager
     def section(self, name: str):
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
             if self.cuda:
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(self.device)
             self.seconds[name] += time.perf_counter() - start
 
 
