@@ -44,7 +44,7 @@ def test_v1_run_calibrates_and_the_manifest_says_which_version_was_read(tmp_path
 def test_v1_run_reports(tmp_path):
     result = runner.invoke(app, ["report", str(V1_RUN), "--out", str(tmp_path / "rep")])
     assert result.exit_code == 0, result.output
-    assert "schema 1 (read as 2)" in (tmp_path / "rep" / "report.md").read_text()
+    assert f"schema 1 (read as {schema.SCHEMA_VERSION})" in (tmp_path / "rep" / "report.md").read_text()
 
 
 def test_v1_run_against_itself_passes_the_gate():
@@ -71,13 +71,27 @@ def test_v1_run_as_baseline_catches_a_planted_regression(tmp_path, monkeypatch):
     assert inputs[0]["role"] == "baseline" and inputs[0]["schema_version_read"] == "1"
 
 
+def test_v1_and_v2_sequences_gain_null_solo_margins_on_read(tmp_path):
+    """Schema 3 added sequences.solo_margins: older runs read it as null (unknown), nothing else moves."""
+    upgraded = schema.read_table(V1_RUN / "sequences.parquet", schema.SEQUENCES_SCHEMA)
+    assert upgraded.column("solo_margins").null_count == upgraded.num_rows == 6
+    assert upgraded.schema.names == schema.SEQUENCES_SCHEMA.names
+    v2 = upgraded.drop_columns(["solo_margins"])
+    pq.write_table(v2.replace_schema_metadata({schema.SCHEMA_KEY: b"2"}), tmp_path / "v2.parquet")
+    back = schema.read_table(tmp_path / "v2.parquet", schema.SEQUENCES_SCHEMA)
+    assert back.column("solo_margins").null_count == 6 and schema.schema_read_from(back) == "2"
+    assert back.column("solo_ids").equals(upgraded.column("solo_ids"))
+
+
 def test_a_run_from_a_newer_release_is_refused_in_one_line(tmp_path):
     future = tmp_path / "future"
     shutil.copytree(V1_RUN, future)
     table = pq.read_table(future / "steps.parquet")
+    newer = str(int(schema.SCHEMA_VERSION) + 1)
     pq.write_table(
-        table.replace_schema_metadata({**table.schema.metadata, schema.SCHEMA_KEY: b"3"}), future / "steps.parquet"
+        table.replace_schema_metadata({**table.schema.metadata, schema.SCHEMA_KEY: newer.encode()}),
+        future / "steps.parquet",
     )
     result = runner.invoke(app, ["calibrate", str(future), "--out", str(tmp_path / "cal")])
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert "schema version 3, newer than this mgbench" in result.stderr and not (tmp_path / "cal").exists()
+    assert f"schema version {newer}, newer than this mgbench" in result.stderr and not (tmp_path / "cal").exists()

@@ -38,6 +38,14 @@ def top2_margin(top: TopLogprobs) -> float:
     return best[0] - best[1]
 
 
+def step_margins(decoded: Decoded) -> list[float | None]:
+    """The top-2 margin of every generated token (the sequences table's solo_margins); None where
+    the server listed fewer than 2 top logprobs (unknown, never guessed)."""
+    tops = list(decoded.top_logprobs[: len(decoded.token_ids)])
+    tops += [{}] * (len(decoded.token_ids) - len(tops))
+    return [top2_margin(top) if len(top) >= 2 else None for top in tops]
+
+
 def logprob_drift(a: TopLogprobs, b: TopLogprobs) -> float:
     """Max |a - b| over the ids both top-k lists hold (0.0 when they share none)."""
     return max((abs(a[i] - b[i]) for i in a.keys() & b.keys()), default=0.0)

@@ -18,6 +18,7 @@ from mgbench.errors import UserError
 SCHEMA_KEY = b"mgbench.schema_version"
 # Parquet names list items "element": declaring it so keeps the schema equal after a round trip.
 TOKEN_IDS = pa.list_(pa.field("element", pa.int32()))
+MARGINS = pa.list_(pa.field("element", pa.float32()))  # one float per generated token; null items unknown
 
 # Where a row sat: shared by the step and sequence tables.
 PLACEMENT_FIELDS = [
@@ -56,6 +57,7 @@ SEQUENCE_FIELDS = [
     ("prompt_len", pa.int32()),
     ("prompt_ids", TOKEN_IDS),
     ("solo_ids", TOKEN_IDS),
+    ("solo_margins", MARGINS),  # top-1 minus top-2 logit of every solo step (the step that chose solo_ids[i])
     ("batched_ids", TOKEN_IDS),
     ("first_divergence", pa.int32()),
     ("identical", pa.bool_()),
@@ -129,7 +131,7 @@ def sequences_table(rows: list[dict], model: str, policy: str = "none") -> pa.Ta
 
 # Every schema version this project has written, oldest first. A table of an older version is
 # upgraded on read, so runs recorded by an earlier release (CI baselines among them) stay usable.
-READABLE_VERSIONS = ("1", SCHEMA_VERSION)
+READABLE_VERSIONS = ("1", "2", SCHEMA_VERSION)
 # The key under which an upgraded table remembers the version it was read from.
 READ_FROM_KEY = b"mgbench.schema_version_read"
 
@@ -153,7 +155,15 @@ def upgrade_v1(table: pa.Table, expected: pa.Schema) -> pa.Table:
     return table
 
 
-UPGRADES = {"1": upgrade_v1}  # version -> the function that lifts it to the next version
+def upgrade_v2(table: pa.Table, expected: pa.Schema) -> pa.Table:
+    """Schema 2 -> 3. Only the flips sequences table changed: it gained `solo_margins` (not
+    recorded then: null, so a diff shows those margins as unknown)."""
+    if "solo_margins" in expected.names and "solo_margins" not in table.schema.names:
+        table = _with_column(table, "solo_margins", pa.nulls(table.num_rows, MARGINS), expected)
+    return table
+
+
+UPGRADES = {"1": upgrade_v1, "2": upgrade_v2}  # version -> the function that lifts it to the next version
 
 
 def upgrade(table: pa.Table, version: str, expected: pa.Schema) -> pa.Table:

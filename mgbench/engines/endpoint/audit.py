@@ -10,7 +10,13 @@ among B-1 fillers); then every request alone again. A request whose two solo run
 
 from __future__ import annotations
 
-from mgbench.analysis.divergence import Decoded, first_divergence, first_divergence_columns, repeat_agreement
+from mgbench.analysis.divergence import (
+    Decoded,
+    first_divergence,
+    first_divergence_columns,
+    repeat_agreement,
+    step_margins,
+)
 from mgbench.assets.needle import batch_layouts
 from mgbench.engines.endpoint.client import EndpointClient, release_together
 from mgbench.engines.interface import AuditRecords
@@ -77,6 +83,7 @@ def _append(
             "prompt_len": len(prompt),
             "prompt_ids": prompt,
             "solo_ids": solo.token_ids,
+            "solo_margins": step_margins(solo),
             "batched_ids": batched.token_ids,
             "first_divergence": divergence,
             "identical": divergence is None,
