@@ -26,10 +26,19 @@ def greedy_tokens(prompt: list[int], max_tokens: int, flip_at: int | None = None
 
 class StubState:
     def __init__(
-        self, mode: str = "ok", fail_after: int = 0, models=("stub-model",), flip_when_concurrent=False, llamacpp=False
+        self,
+        mode: str = "ok",
+        fail_after: int = 0,
+        models=("stub-model",),
+        flip_when_concurrent=False,
+        llamacpp=False,
+        shift_at: int | None = None,
     ):
         self.mode, self.fail_after, self.models = mode, fail_after, list(models)
         self.flip_when_concurrent, self.llamacpp = flip_when_concurrent, llamacpp
+        # PLANTED OUTPUT CHANGE: every answer's token at step `shift_at` is moved by one, alone or not
+        # (as another node's server might answer).
+        self.shift_at = shift_at
         self.bodies: list[dict] = []  # every completion request received
         self.completions = 0
         self.active: list[dict] = []  # requests being answered; each marks whether another overlapped it
@@ -42,6 +51,8 @@ def _completion(state: StubState, body: dict, concurrent: bool) -> dict:
     varies = state.flip_when_concurrent and concurrent  # the planted batch variance: drift, then a flip
     flip_at = 2 if varies else None
     tokens = greedy_tokens(ids, int(body["max_tokens"]), flip_at)
+    if state.shift_at is not None and state.shift_at < len(tokens):
+        tokens[state.shift_at] += 1
     k = int(body.get("logprobs") or 0)
     top = [
         {f"token_id:{t + j}": -0.25 * (j + 1) + (0.125 if varies and j == 1 else 0.0) for j in range(k)} for t in tokens

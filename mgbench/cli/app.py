@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from mgbench.cli import calibrate, catalogue, compare, flips, probe, report, verify
+from mgbench.cli import calibrate, catalogue, compare, diff, flips, probe, report, verify
 
 app = typer.Typer(
     help="Audit and benchmark batch-invariance of greedy LLM decoding (MarginGate).",
@@ -21,6 +21,7 @@ app.command()(calibrate.calibrate)
 app.command()(verify.verify)
 app.command()(compare.compare)
 app.command()(probe.probe)
+app.command()(diff.diff)
 app.command("report")(report.report_command)
 app.command()(catalogue.models)
 app.command()(catalogue.datasets)

@@ -36,6 +36,7 @@ from mgbench.cli.options import (
 )
 from mgbench.engines.endpoint.client import EndpointOptions
 from mgbench.errors import UserError
+from mgbench.pipelines.fleet import endpoint_urls, replicas, run_fleet
 from mgbench.runs.options import RunOptions, parse_batch_sizes
 from mgbench.runs.placement import Placement
 
@@ -75,7 +76,8 @@ def flips(
         "--endpoint",
         help=(
             "Audit an OpenAI-compatible server at this base URL (e.g. http://127.0.0.1:8000/v1) instead of "
-            "the in-process engine; --model then names the tokenizer."
+            "the in-process engine; --model then names the tokenizer. URL1,URL2,...: replicas of one model, "
+            "audited one after another into OUT/replica-0, OUT/replica-1, ... (compare them with `mgbench diff`)."
         ),
     ),
     served_model: Optional[str] = typer.Option(
@@ -141,11 +143,18 @@ def flips(
 
         mgbench flips --endpoint http://127.0.0.1:8000/v1 --limit 32 \\
             --batch-size 8 --max-new-tokens 64 --label "vLLM eager"
+
+        # replicas of one model: one run each, then their outputs compared
+
+        mgbench flips --endpoint http://node1:8000/v1,http://node2:8000/v1 --limit 32 --out runs/fleet
+
+        mgbench diff runs/fleet/replica-0 runs/fleet/replica-1
     """
     with user_errors(debug):
         sizes = parse_batch_sizes(batch_sizes) if batch_sizes else (batch_size,)
+        urls = endpoint_urls(endpoint)
         endpoint_options = endpoint_flips_options(
-            endpoint,
+            urls[0] if urls else None,
             served_model,
             top_logprobs,
             request_timeout,
@@ -180,18 +189,13 @@ def flips(
         )
         spec = GateSpec(Thresholds(require_determinism, max_flip_rate), baseline, alpha)
         placement = Placement.resolve(shard, resume, tp_plan, out)
-        from mgbench.pipelines.flips import run_flips  # loads torch: after every input check
+        target = out or default_out("flips", model, dataset)
+        if len(urls) > 1:  # replicas of one served model: one run each, OUT/replica-I
+            passed = run_fleet(options, resume, target, spec, junit, json_out, replicas(endpoint_options, urls))
+        else:
+            from mgbench.pipelines.flips import run_flips  # loads torch: after every input check
 
-        passed = run_flips(
-            options,
-            placement,
-            out or default_out("flips", model, dataset),
-            spec,
-            junit,
-            json_out,
-            endpoint_options,
-            label,
-        )
+            passed = run_flips(options, placement, target, spec, junit, json_out, endpoint_options, label)
     raise typer.Exit(0 if passed else 1)
 
 

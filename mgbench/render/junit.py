@@ -92,3 +92,23 @@ def write_junit(path: Path, tree: ET.ElementTree) -> None:
     with os.fdopen(fd, "wb") as handle:
         tree.write(handle, encoding="utf-8", xml_declaration=True)
     os.replace(staging, path)
+
+
+def diff_junit(summary: dict) -> ET.ElementTree:
+    """`mgbench diff`: one case per pair of runs, failing where its identical share is below
+    --require-identical; the divergences (request, step, tokens) in the case's text."""
+    required = summary.get("required_identical")
+    cases = []
+    for pair in summary["pairs"]:
+        share = pair["identical_share"]
+        figures = f"{pair['identical']}/{pair['paired']} outputs identical ({share:.2%}), paired by {pair['paired_by']}"
+        diverged = "; ".join(
+            f"request {d['request']} (id {d['request_id_a']}) at token {d['step']}: {d['token_a']} vs {d['token_b']}"
+            for d in pair["divergences"]
+        )
+        failure = None
+        if required is not None and share < required:
+            failure = f"identical {share:.2%} < required {required:.2%}"
+        text = figures + (f"\n{diverged}" if diverged else "")
+        cases.append(Case(f"mgbench.diff.{summary['mode']}", f"{pair['run_a']} vs {pair['run_b']}", failure, text))
+    return cases_xml("mgbench.diff", cases)

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from mgbench.errors import UserError
+from mgbench.render.diff_markdown import diff_section
 from mgbench.render.md_cells import _num, _pct, _table
 from mgbench.render.probe_markdown import fixed_order_lines, probe_section, reference_text
 
@@ -205,6 +206,7 @@ SECTIONS = {
     "verify": verify_section,
     "compare": compare_section,
     "probe": probe_section,
+    "diff": diff_section,
 }
 
 

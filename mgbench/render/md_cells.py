@@ -17,3 +17,18 @@ def _table(headers: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return lines + [""]
+
+
+def _value(value, width: int = 60) -> str:
+    """A manifest value in one cell: lists joined, dicts as compact JSON, cut at `width` characters."""
+    import json
+
+    if value is None:
+        text = "-"
+    elif isinstance(value, list):
+        text = ",".join(str(v) for v in value)
+    elif isinstance(value, dict):
+        text = json.dumps(value, separators=(",", ":"), sort_keys=True)
+    else:
+        text = str(value)
+    return text if len(text) <= width else text[: width - 3] + "..."

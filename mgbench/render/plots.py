@@ -117,3 +117,34 @@ def compare_plots(table: pd.DataFrame, out_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(out_dir / "determinism_vs_triggers.png", dpi=110)
     plt.close(fig)
+
+
+def divergence_margins(pairs: list[dict], path: Path) -> None:
+    """`mgbench diff`: the solo margins at each first divergence (both sides), stacked by pair of
+    runs. Near 0: a near-tie that numeric noise broke the other way; wide: the logits really moved."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    stacks, labels = [], []
+    for pair in pairs:
+        values = [d[side] for d in pair["divergences"] for side in ("margin_a", "margin_b") if d[side] is not None]
+        if values:
+            stacks.append(np.asarray(values, dtype=float))
+            labels.append(f"{pair['run_a']} vs {pair['run_b']} ({len(values)})")
+    if stacks:
+        top = max(float(np.max(s)) for s in stacks)
+        ax.hist(stacks, bins=np.linspace(0, max(top, 1e-3), 40), stacked=True, label=labels)
+        ax.legend(fontsize=8)
+    else:
+        diverged = sum(len(pair["divergences"]) for pair in pairs)
+        ax.text(
+            0.5,
+            0.5,
+            "no divergence" if not diverged else f"{diverged} divergences, no solo margins recorded there",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
+    ax.set_xlabel("solo top-1/top-2 margin at the first divergence (logit; each side)")
+    ax.set_ylabel("count")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

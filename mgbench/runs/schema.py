@@ -108,6 +108,33 @@ VERIFY_SEQUENCES_SCHEMA = pa.schema(
     VERIFY_SEQUENCE_FIELDS, metadata={SCHEMA_KEY: SCHEMA_VERSION.encode(), b"mgbench.table": b"verify_sequences"}
 )
 
+# `mgbench diff`'s table: one row per (pair of runs, paired request), plain columns for pandas and DuckDB.
+DIFF_FIELDS = [
+    ("run_a", pa.string()),
+    ("run_b", pa.string()),
+    ("request", pa.string()),  # the prompt's SHA-256 (16 hex digits) or, paired by request id, DATASET#ID
+    ("paired_by", pa.string()),
+    ("dataset", pa.string()),
+    ("request_id_a", pa.int64()),
+    ("request_id_b", pa.int64()),
+    ("batch_size", pa.int32()),  # --batched: the batch size both outputs were decoded at; null for solo outputs
+    ("variant", pa.string()),  # --batched: the policy that decoded them (flips runs: none)
+    ("prompt_len", pa.int32()),
+    ("tokens_a", pa.int32()),  # tokens compared on each side
+    ("tokens_b", pa.int32()),
+    ("identical", pa.bool_()),
+    ("first_divergence", pa.int32()),
+    ("token_a", pa.int64()),  # each side's token at the first divergence (null: that side had ended)
+    ("token_b", pa.int64()),
+    ("margin_a", pa.float32()),  # each side's solo top-1 minus top-2 there (null: not recorded)
+    ("margin_b", pa.float32()),
+]
+DIFF_SCHEMA = pa.schema(DIFF_FIELDS, metadata={SCHEMA_KEY: SCHEMA_VERSION.encode(), b"mgbench.table": b"diff"})
+
+
+def diff_table(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=DIFF_SCHEMA)
+
 
 def _column(rows: list[dict], name: str, kind: pa.DataType) -> pa.Array:
     """One column over per-row dicts; a row whose value is None did not measure it: nulls there."""

@@ -36,6 +36,7 @@ class EndpointOptions:
     request_timeout: float = 300.0  # seconds per completion
     needle: bool = False
     label: str | None = None  # the engine's name in reports (default: server, version, model)
+    replica: int | None = None  # its index among the replicas of `--endpoint URL1,URL2,...` (None: one server)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)

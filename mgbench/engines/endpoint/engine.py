@@ -38,6 +38,8 @@ class EndpointEngine:
             engine.close()
             raise
         engine.label = options.label or describe_server(engine.info)
+        if options.replica is not None:
+            engine.label += f", replica {options.replica}"
         return engine
 
     def text(self, prompt_ids: list[int]) -> str:
@@ -72,6 +74,7 @@ class EndpointEngine:
                     "top_logprobs": self.options.top_logprobs,
                     "request_timeout_s": self.options.request_timeout,
                     "needle": self.options.needle,
+                    **({"replica": self.options.replica} if self.options.replica is not None else {}),
                 },
                 "model_source": self.model_source,
                 "dataset_config": asdict(run.config),
