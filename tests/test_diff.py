@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from stub_openai import StubServer, StubState
 from typer.testing import CliRunner
@@ -245,6 +247,68 @@ def test_batched_outputs_pair_per_request_and_batch_size(tmp_path):
     assert d["margin_a"] is None and d["margin_b"] is None  # batched margins are not in the sequences table
 
 
+def test_a_sharded_run_and_a_verify_run_pair_with_a_whole_flips_run(runs, tmp_path):
+    """A run recorded in two shards reads as one; a verify run (no prompt ids kept) pairs by
+    dataset and request id, its solo outputs as any flips run's."""
+    a = runs[0]
+    whole = pd.read_parquet(a / "sequences.parquet")
+    sharded = tmp_path / "sharded"
+    for index, part in enumerate((whole.iloc[::2], whole.iloc[1::2])):
+        (sharded / "sequences").mkdir(parents=True, exist_ok=True)
+        (sharded / "shards").mkdir(exist_ok=True)
+        table = pa.Table.from_pandas(part, schema=schema.SEQUENCES_SCHEMA, preserve_index=False)
+        pq.write_table(table, sharded / "sequences" / f"part-{index}-of-2.parquet")
+        (sharded / "shards" / f"{index}-of-2.json").write_text(json.dumps({"fingerprint": {"shards": 2}}))
+    shutil.copy(a / "manifest.json", sharded / "manifest.json")
+    [pair] = diff_json(a, sharded)[1]["pairs"]
+    assert pair["paired"] == 6 and pair["identical"] == 6
+
+    rows = [
+        {
+            "model": "smollm2-135m",
+            "dataset": "math500",
+            "request_id": i,
+            "batch_id": 0,
+            "row": i,
+            "batch_size": 4,
+            "pad_len": 0,
+            "policy": policy,
+            "repair": "none" if policy == "none" else "column",
+            "prompt_len": len(prompt(i)),
+            "solo_ids": solo(i) if i != 2 else solo(2)[:5] + [3, 3, 3],
+            "batched_ids": solo(i),
+            "first_divergence": None,
+            "identical": True,
+            "steps": TOKENS,
+            "triggers": 0,
+            "repairs": 0,
+        }
+        for policy in ("none", "margin:0.5")
+        for i in range(4)
+    ]
+    verify = rundir.publish_run(
+        tmp_path / "verify",
+        {"sequences": pa.Table.from_pylist(rows, schema=schema.VERIFY_SEQUENCES_SCHEMA)},
+        {"manifest": {"command": "verify", "options": {"model": "smollm2-135m", "max_new_tokens": TOKENS}}},
+    )
+    [pair] = diff_json(a, verify)[1]["pairs"]
+    assert pair["paired_by"] == "dataset and request id" and pair["paired"] == 4 and pair["identical"] == 3
+    [d] = pair["divergences"]
+    assert (d["request"], d["step"], d["margin_a"], d["margin_b"]) == ("math500#2", 5, margins(2)[5], None)
+
+
+def test_runs_of_other_lengths_are_compared_on_their_common_tokens(tmp_path):
+    a = write_run(tmp_path / "a", [request(0), request(1)])
+    short = write_run(
+        tmp_path / "short",
+        [request(0, solo(0)[:6]), request(1, solo(1)[:4] + [0, 0])],
+        manifest={"options": {"model": "smollm2-135m", "max_new_tokens": 6}},
+    )
+    [pair] = diff_json(a, short)[1]["pairs"]
+    assert pair["compared_tokens"] == 6 and pair["identical"] == 1
+    assert [d["step"] for d in pair["divergences"]] == [4]
+
+
 def test_different_models_and_disjoint_requests_are_refused_in_one_line(tmp_path, runs):
     a = runs[0]
     other = write_run(tmp_path / "gemma", [request(0)], model="gemma3-270m")
@@ -279,11 +343,13 @@ def test_require_identical_exit_codes_and_junit(runs, tmp_path):
     assert runner.invoke(app, ["diff", str(a), str(c), "--require-identical", "1.0"]).exit_code == 0
 
 
-def test_out_writes_a_run_that_json_pandas_and_report_read(runs, tmp_path):
+def test_out_writes_a_run_that_json_pandas_and_report_read(runs, tmp_path, monkeypatch):
     a, b, c = runs
     out = tmp_path / "d"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path / "step-summary.md"))
     result = runner.invoke(app, ["diff", str(a), str(b), str(c), "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
+    assert "| a |  | 3/5 (60.00%) | 6/6 (100.00%) |" in (tmp_path / "step-summary.md").read_text()
     assert json.loads(result.stdout) == json.loads((out / "summary.json").read_text())  # stdout: the summary only
     assert sorted(p.name for p in out.iterdir()) == [
         "diff.parquet",
@@ -378,13 +444,26 @@ def test_endpoint_fleet_records_one_run_per_replica_and_diff_finds_the_planted_o
     assert diff_json(tmp_path / "one", tmp_path / "two")[1]["pairs"][0]["identical_share"] == 1.0
 
 
-def direct_comparison(run_a: Path, run_b: Path) -> tuple[int, int, dict]:
-    """(paired, identical, {prompt: first differing index}) straight from the two sequences tables."""
+def test_a_fleet_url_list_with_a_gap_or_a_repeat_is_refused_in_one_line(tmp_path):
+    url = "http://127.0.0.1:9/v1"
+    for endpoint, message in ((f"{url},", "an empty URL"), (f"{url},{url}", "listed twice")):
+        result = runner.invoke(app, ["flips", "--endpoint", endpoint, "--out", str(tmp_path / "f")])
+        assert result.exit_code == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "f").exists()
+
+
+def direct_comparison(run_a: Path, run_b: Path, batched: bool = False) -> tuple[int, int, dict]:
+    """(paired, identical, {key: first differing index}) straight from the two sequences tables;
+    key: the prompt ids (and, batched, the batch size)."""
+    column = "batched_ids" if batched else "solo_ids"
     tables = []
     for run in (run_a, run_b):
         frame = pd.read_parquet(run / "sequences.parquet")
-        frame["key"] = frame["prompt_ids"].map(lambda ids: tuple(int(t) for t in ids))
-        tables.append(frame.drop_duplicates("key").set_index("key")["solo_ids"].map(list))
+        frame["key"] = [
+            (tuple(int(t) for t in ids), int(size) if batched else None)
+            for ids, size in zip(frame["prompt_ids"], frame["batch_size"])
+        ]
+        tables.append(frame.drop_duplicates("key").set_index("key")[column].map(list))
     a, b = tables
     shared = a.index.intersection(b.index)
     divergences = {}
@@ -395,15 +474,16 @@ def direct_comparison(run_a: Path, run_b: Path) -> tuple[int, int, dict]:
     return len(shared), len(shared) - len(divergences), divergences
 
 
-def assert_diff_agrees_with_pandas(run_a: Path, run_b: Path, label: str) -> dict:
-    code, summary = diff_json(run_a, run_b)
+def assert_diff_agrees_with_pandas(run_a: Path, run_b: Path, label: str, batched: bool = False) -> dict:
+    code, summary = diff_json(run_a, run_b, *(["--batched"] if batched else []))
     assert code == 0, summary
     [pair] = summary["pairs"]
-    paired, identical, divergences = direct_comparison(run_a, run_b)
-    print(f"\n[this machine] {label}: {pair['identical']}/{pair['paired']} solo outputs identical")
+    paired, identical, divergences = direct_comparison(run_a, run_b, batched)
+    outputs = "batched" if batched else "solo"
+    print(f"\n[this machine] {label}: {pair['identical']}/{pair['paired']} {outputs} outputs identical")
     assert (pair["paired"], pair["identical"]) == (paired, identical)
-    found = {d["request"]: d["step"] for d in pair["divergences"]}
-    assert found == {prompt_key(list(key)): step for key, step in divergences.items()}
+    found = {(d["request"], d["batch_size"]): d["step"] for d in pair["divergences"]}
+    assert found == {(prompt_key(list(ids)), size): step for (ids, size), step in divergences.items()}
     return summary
 
 
@@ -453,7 +533,11 @@ def test_two_llamacpp_servers_diffed_as_pandas_compares(tmp_path):
             started.stop()
     zero, one = (Path(r["run"]) for r in fleet["replicas"])
     summary = assert_diff_agrees_with_pandas(zero, one, "llama.cpp -np 1 vs -np 4")
-    known = [d for d in summary["pairs"][0]["divergences"] if d["margin_a"] is not None]
-    assert len(known) == len(summary["pairs"][0]["divergences"])  # an endpoint records every solo margin
+    assert_diff_agrees_with_pandas(zero, one, "llama.cpp -np 1 vs -np 4", batched=True)
+    for run in (zero, one):  # a server's solo margins, every step, from its top logprobs
+        sequences = pd.read_parquet(run / "sequences.parquet")
+        assert all(len(m) == len(ids) for m, ids in zip(sequences["solo_margins"], sequences["solo_ids"]))
+        assert not any(np.isnan(m).any() for m in sequences["solo_margins"])
+    assert all(d["margin_a"] is not None for d in summary["pairs"][0]["divergences"])
     slots = {d["key"]: d["values"] for d in summary["manifest_differences"]}["endpoint.props.total_slots"]
     assert slots == [1, 4]

@@ -23,49 +23,11 @@ import numpy as np
 import pandas as pd
 
 from mgbench.analysis.divergence import first_divergence
+from mgbench.analysis.manifests import manifest_differences, model_identity
 from mgbench.errors import UserError
 
 SOLO, BATCHED = "solo", "batched"
 PROMPT_IDS, REQUEST_IDS = "prompt ids", "dataset and request id"
-
-# Manifest keys never shown as differences: they differ between any two runs (times, command
-# lines, memory) or are bulky records of their own (a probe's op table, a dataset's config).
-NOT_COMPARED = (
-    "created_utc",
-    "argv",
-    "peak_memory",
-    "inputs",
-    "probe",
-    "fixed_order",
-    "dataset_config",
-    "endpoint.models_entry",
-    "endpoint.notes",
-    "options.policies",
-    "options.require_determinism",
-)
-# Where what a reader looks for first (the machine, the kernels, the engine) comes in the list.
-SHOWN_FIRST = (
-    "device_name",
-    "device",
-    "kernel_environment",
-    "torch_threads",
-    "engine",
-    "endpoint",
-    "dtype",
-    "attn",
-    "kernels",
-    "options.batch_invariant",
-    "options.kernels",
-    "tensor_parallel",
-    "torch",
-    "transformers",
-    "python",
-    "mgbench_version",
-    "git_revision",
-    "schema_version",
-    "model_source",
-    "options",
-)
 
 
 @dataclass
@@ -220,13 +182,6 @@ def margin_at(run: RecordedRun, margins, request_id: int, step: int) -> float | 
     return None
 
 
-def model_identity(manifest: dict) -> str:
-    """The model a run decoded (an endpoint run: the tokenizer it encoded prompts with), as its
-    alias, hub id or folder names it: a folder's last part, so one model at two paths is one."""
-    model = str((manifest.get("options") or {}).get("model") or manifest.get("model") or "?")
-    return model.rstrip("/").split("/")[-1]
-
-
 def check_same_model(runs: list[RecordedRun]) -> str:
     identities = [model_identity(run.manifest) for run in runs]
     if len(set(identities)) > 1:
@@ -330,39 +285,6 @@ def margin_figures(rows: list[dict]) -> dict:
     }
 
 
-def flatten(document: dict, prefix: str = "") -> dict:
-    """Dotted keys of nested dicts; lists and scalars are values."""
-    flat = {}
-    for key, value in document.items():
-        name = f"{prefix}{key}"
-        if any(name == skip or name.startswith(skip + ".") for skip in NOT_COMPARED):
-            continue
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
-
-
-def _shown_rank(key: str) -> tuple[int, str]:
-    for rank, prefix in enumerate(SHOWN_FIRST):
-        if key == prefix or key.startswith(prefix + "."):
-            return rank, key
-    return len(SHOWN_FIRST), key
-
-
-def manifest_differences(runs: list[RecordedRun]) -> list[dict]:
-    """The manifest keys whose values are not the same in every run: {key, values (one per run)}."""
-    flats = [flatten(run.manifest) for run in runs]
-    keys = sorted({key for flat in flats for key in flat}, key=_shown_rank)
-    differences = []
-    for key in keys:
-        values = [flat.get(key) for flat in flats]
-        if len({json.dumps(value, sort_keys=True, default=str) for value in values}) > 1:
-            differences.append({"key": key, "values": values})
-    return differences
-
-
 def describe_run(run: RecordedRun) -> dict:
     manifest = run.manifest
     engine = manifest.get("engine") or {}
@@ -411,6 +333,6 @@ def diff_runs(runs: list[RecordedRun], mode: str, required: float | None = None)
         "min_identical_share": lowest,
         "required_identical": required,
         "passed": None if required is None else all(pair["identical_share"] >= required for pair in pairs),
-        "manifest_differences": manifest_differences(runs),
+        "manifest_differences": manifest_differences([run.manifest for run in runs]),
     }
     return rows, summary

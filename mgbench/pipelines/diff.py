@@ -6,6 +6,7 @@ baseline recorded on one node is compared with a run of another anywhere (a CI j
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from mgbench.analysis import runs_diff
@@ -65,6 +66,12 @@ def run_diff(
         render_diff(console, summary, shown)
     if out is not None:
         (err_console if json_out else console).print(f"results: {out}", highlight=False)
+    step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if step_summary and out is not None:  # a CI job's summary page shows the report.md section
+        from mgbench.render.markdown import section_markdown
+
+        with open(step_summary, "a", encoding="utf-8") as handle:
+            handle.write(section_markdown(out) + "\n")
     passed = summary["passed"]
     if passed is not None:
         lowest = f"{100 * summary['min_identical_share']:.2f}%"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mgbench.errors import UserError
 from mgbench.render.diff_terminal import kernel_family, margin_headers, share_text
-from mgbench.render.md_cells import _num, _table, _value
+from mgbench.render.md_cells import _copy_plots, _num, _table, _value
 
 PLOT = "divergence_margins.png"
 SHOWN = 50  # divergences listed per pair (all are in the run's diff.parquet)
@@ -91,8 +91,6 @@ def diff_section(run: Path, out: Path, prefix: str) -> list[str]:
             ["key", *names],
             [[f"`{d['key']}`", *(_value(v, 80) for v in d["values"])] for d in s["manifest_differences"]],
         )
-    from mgbench.render.markdown import _copy_plots
-
     return lines + _copy_plots(run, out, prefix, (PLOT,))
 
 

@@ -7,12 +7,11 @@ on a GPU box render anywhere.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from mgbench.errors import UserError
 from mgbench.render.diff_markdown import diff_section
-from mgbench.render.md_cells import _num, _pct, _table
+from mgbench.render.md_cells import _copy_plots, _num, _pct, _table
 from mgbench.render.probe_markdown import fixed_order_lines, probe_section, reference_text
 
 
@@ -188,16 +187,6 @@ def compare_section(run: Path, out: Path, prefix: str) -> list[str]:
         lines.append(f"- increment reduction {r['window']} over {r['gate']} (fixed-order solo): {_num(r['median'])}x")
     lines += [f"- gate alone: {_pct(s['gate_share_of_step'])} of a plain batched step", ""] + fixed_order_lines(s)
     return lines + _copy_plots(run, out, prefix, ("latency_increment.png", "determinism_vs_triggers.png"))
-
-
-def _copy_plots(run: Path, out: Path, prefix: str, names) -> list[str]:
-    lines = []
-    for name in names:
-        if (run / name).is_file():
-            if (run / name).resolve() != (out / f"{prefix}{name}").resolve():
-                shutil.copyfile(run / name, out / f"{prefix}{name}")
-            lines += [f"![{name}]({prefix}{name})", ""]
-    return lines
 
 
 SECTIONS = {

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 
 def _pct(value) -> str:
     return "-" if value is None else f"{100 * value:.2f}%"
@@ -32,3 +35,14 @@ def _value(value, width: int = 60) -> str:
     else:
         text = str(value)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _copy_plots(run: Path, out: Path, prefix: str, names) -> list[str]:
+    """Copy a run's plots beside report.md (prefixed by the run's index) and link them."""
+    lines = []
+    for name in names:
+        if (run / name).is_file():
+            if (run / name).resolve() != (out / f"{prefix}{name}").resolve():
+                shutil.copyfile(run / name, out / f"{prefix}{name}")
+            lines += [f"![{name}]({prefix}{name})", ""]
+    return lines
