@@ -174,7 +174,7 @@ def main() -> None:
                         kernels.active(model),
                     ):
                         forced = run_teacher_forced(
-                            model, take(prompts, m), take(references[mode], m), "alone", pad, kernels
+                            model, take(prompts, m), take(references[mode], m), "alone", pad, kernels=kernels
                         )
                     differing += sum(int((row["max_abs_logit_diff"] != 0).sum()) for row in forced.rows)
                     steps += sum(len(row["max_abs_logit_diff"]) for row in forced.rows)

@@ -69,8 +69,10 @@ def test_batch_invariant_decoding_reproduces_solo_bitwise(perturbed):
     with torch.inference_mode():
         solos = [run_solo(model, p, 24, set()) for p in prompts]
         plain = run_teacher_forced(model, prompts, solos, "alone", PAD_ID)
+        forced = run_teacher_forced(
+            model, prompts, solos, "alone", PAD_ID, batch_mode=lambda: decoding_mode(model, prompts, probe.plan)
+        )
         with decoding_mode(model, prompts, probe.plan):
-            forced = run_teacher_forced(model, prompts, solos, "alone", PAD_ID)
             free = run_free(model, prompts, [s.row_prefill for s in solos], "alone", PAD_ID, 24, set())
     # Negative control: without the mode the planted layer (and whatever varies here) differs.
     assert all(row["max_abs_logit_diff"].max() > 0 for row in plain.rows)
@@ -185,8 +187,10 @@ def test_default_model_batch_invariant_mode_is_solo_bitwise(default_lm, math500_
         probe = probe_model(model, max(prompts, key=len), rows=len(prompts))
         solos = [run_solo(model, p, 16, set()) for p in prompts]
         plain = run_teacher_forced(model, prompts, solos, "alone", 2)
+        forced = run_teacher_forced(
+            model, prompts, solos, "alone", 2, batch_mode=lambda: decoding_mode(model, prompts, probe.plan)
+        )
         with decoding_mode(model, prompts, probe.plan):
-            forced = run_teacher_forced(model, prompts, solos, "alone", 2)
             free = run_free(model, prompts, [s.row_prefill for s in solos], "alone", 2, 16, set())
     assert probe.exact
     assert all(row["max_abs_logit_diff"].max() == 0.0 for row in forced.rows)

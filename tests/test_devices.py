@@ -135,3 +135,34 @@ def test_the_batch_invariant_line_names_the_device_and_attention_form_that_ran(m
     cpu = {"cpu": "Intel Xeon", "cpu_capability": "AVX512", "device": "cpu"}
     line = invariant_run_line(monkeypatch, cpu, PER_ROW)
     assert "Intel Xeon, AVX512" in line and "attention per row (unpadded keys, as alone)" in line
+
+
+def test_decode_timers_record_on_the_runs_device_stream(monkeypatch):
+    """DecodeTimer and the lockstep's SectionTimer record their CUDA events on the stream of the
+    run's device (a fake "cuda:1"), not on whatever GPU is current."""
+    from mgbench.engines.inprocess.runners import DecodeTimer, SectionTimer
+
+    streams, recorded = [], []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self, stream=None):
+            recorded.append(stream)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 5.0
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams.append(str(device)) or f"s:{device}")
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    assert DecodeTimer("cuda:1").seconds() == 0.005
+    timer = SectionTimer("cuda:1")
+    for _ in range(3):
+        with timer:
+            pass
+    assert timer.seconds() == 0.015
+    assert set(streams) == {"cuda:1"} and recorded == ["s:cuda:1"] * 8

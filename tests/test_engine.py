@@ -163,3 +163,40 @@ def test_cache_row_slice_and_column_overwrite_are_exact():
         for (k, v), (k_old, v_old) in zip(cache_ops.cache_layers(batched), before):
             changed = (k != k_old).any(dim=(1, 3)) | (v != v_old).any(dim=(1, 3))  # [batch, seq]
             assert changed.nonzero().tolist() == [[2, 6]]  # that row and column, nothing else
+
+
+def test_lockstep_solo_equals_the_solo_runner_and_its_rerun():
+    """The teacher-forced pass decodes each request alone in lockstep with the batch (nothing of
+    a step's logits is kept past it). By construction that is run_solo's computation: its
+    tokens, margins and top logits equal run_solo's bitwise, and a second pass fed those
+    results (the re-decode of later batch sizes) gives every column bitwise again."""
+    model = near_tie_model()
+    plant_nudged_head(model, delta=0.05)  # flips, so the rows compared are not all trivial
+    prompts = random_prompts([12, 17, 9, 21], vocab=8192)
+    eos = {7, 11}  # some rows may stop early: lengths differ
+    with torch.inference_mode():
+        solos = [run_solo(model, p, 20, eos) for p in prompts]
+        fresh = run_teacher_forced(model, prompts, [None] * 4, "alone", PAD_ID, 20, eos)
+        again = run_teacher_forced(model, prompts, fresh.solos, "alone", PAD_ID, 20, eos)
+    for ours, theirs in zip(fresh.solos, solos):
+        assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.margins, theirs.margins)
+        assert torch.equal(ours.top_ids, theirs.top_ids) and torch.equal(ours.top_logits, theirs.top_logits)
+        assert torch.equal(ours.row_prefill.logits, theirs.row_prefill.logits)
+    assert sum(int(row["flipped"].sum()) for row in fresh.rows) > 0
+    for a, b, solo in zip(fresh.rows, again.rows, solos):
+        assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+        assert a["solo_token"].tolist() == solo.tokens.tolist()
+
+
+def test_a_solo_reference_that_does_not_repeat_stops_the_run():
+    """Planted: the head moves the argmax after its first calls, so the request decoded alone a
+    second time gives other tokens; the lockstep pass refuses to compare against two references."""
+    from mgbench.errors import UserError
+
+    model = near_tie_model()
+    prompts = random_prompts([12], vocab=8192)
+    with torch.inference_mode():
+        first = run_teacher_forced(model, prompts, [None], "alone", PAD_ID, 12, set())
+        plant_nudged_head(model, delta=1.0, invariant_up_to=0)  # now every call, alone too, is nudged
+        with pytest.raises(UserError, match="solo decoding does not repeat"):
+            run_teacher_forced(model, prompts, first.solos, "alone", PAD_ID, 12, set())

@@ -38,7 +38,7 @@ def audit(model, prompts, kernels: Kernels, steps: int = 10):
     """(solos, teacher-forced result, free-running result) of one batch through `kernels`."""
     with torch.inference_mode(), kernels.active(model):
         solos = [run_solo(model, p, steps, set(), kernels) for p in prompts]
-        forced = run_teacher_forced(model, prompts, solos, "alone", PAD_ID, kernels)
+        forced = run_teacher_forced(model, prompts, solos, "alone", PAD_ID, kernels=kernels)
         free = run_free(model, prompts, [s.row_prefill for s in solos], "alone", PAD_ID, steps, set(), kernels=kernels)
     return solos, forced, free
 
@@ -350,5 +350,5 @@ def test_gemma3_sliding_window_and_qk_norm_fixed_order_is_bitwise_its_solo():
     with torch.inference_mode():
         for prompt, solo in zip(short, fixed_short):
             stock = run_solo(model, prompt, 2, set())
-            assert torch.equal(stock.logits[0], solo.logits[0])  # the prefill alone: the same call
-            assert torch.allclose(stock.logits[1].float(), solo.logits[1].float(), atol=0.05, rtol=0.02)
+            assert torch.equal(stock.row_prefill.logits, solo.row_prefill.logits)  # the prefill alone: the same call
+            assert torch.allclose(stock.top_logits[1], solo.top_logits[1], atol=0.05, rtol=0.02)

@@ -99,7 +99,7 @@ def replay_solo_tokens(model, kernels, prompts, solos) -> list[_Row]:
     """Each fixed-order solo output replayed in one chunk over its prefill: (rows after the replay)."""
     rows = []
     with torch.inference_mode(), fixed_order.aligned_attention(model, kernels.plan):
-        layers = [s.prefill for s in solos]
+        layers = [s.row_prefill.layers for s in solos]
         fixed = StartAlignedCache.from_prefills(layers, STEPS + 1, kernels.plan.chunk)
         stock = StockAlignedCache.from_prefills(layers, STEPS + 1)
         for r, (prompt, solo) in enumerate(zip(prompts, solos)):

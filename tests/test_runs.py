@@ -139,11 +139,11 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(reference, tiny_model_di
 
     from mgbench.engines.inprocess import audit
 
-    solo_runs = []
-    run_solo = audit.run_solo
-    monkeypatch.setattr(audit, "run_solo", lambda *a, **k: solo_runs.append(1) or run_solo(*a, **k))
+    decoded = []  # requests decoded (alone, in lockstep with their batch)
+    forced = audit.run_teacher_forced
+    monkeypatch.setattr(audit, "run_teacher_forced", lambda m, p, *a, **k: decoded.extend(p) or forced(m, p, *a, **k))
     invoke(flips_args(tiny_model_dir, out, "--resume"))
-    assert len(solo_runs) == 4  # groups 1 and 2 only: group 0 came from its part files
+    assert len(decoded) == 4  # groups 1 and 2 only: group 0 came from its part files
     assert parquet_bytes(out) == parquet_bytes(reference)
     assert not staging.exists()
     again = runner.invoke(app, flips_args(tiny_model_dir, out, "--resume"))

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from mgbench.engines.inprocess import cache as cache_ops
 from mgbench.engines.inprocess.decode import decode_step
 from mgbench.engines.inprocess.policies import PolicySpec
-from mgbench.engines.inprocess.runners import prefill_for_batch, run_free, run_solo, run_teacher_forced
+from mgbench.engines.inprocess.runners import STOCK, prefill_for_batch, run_free, run_solo, run_teacher_forced
 from mgbench.engines.inprocess.step import StepContext
 from mgbench.engines.inprocess.verifiers import ColumnVerifier, ExactVerifier
 
@@ -37,7 +37,7 @@ def decode(batch, spec: PolicySpec, prefill="alone"):
     model, prompts, solos = batch
     prefills = [s.row_prefill for s in solos]
     with torch.inference_mode():
-        policy = spec.build(model, prompts, prefills, [s.logits for s in solos], STEPS)
+        policy = spec.build(model, prompts, prefills, solos, STEPS)
         free = run_free(model, prompts, prefills, prefill, PAD_ID, STEPS, set(), policy)
     identical = sum(free.tokens[i] == s.tokens.tolist() for i, s in enumerate(solos))
     return free, identical
@@ -113,11 +113,19 @@ def test_column_repair_writes_the_reference_column_bitwise(flipping_batch):
     assert repaired_rows > 0, "the nudge makes batched and batch-1 argmax differ on some row"
 
 
+def solo_columns(model, prompt, solo, n: int) -> torch.Tensor:
+    """K/V of the solo run's first n steps' input tokens: the request decoded alone again, fed its tokens."""
+    decoder = STOCK.solo(model, prompt, n, solo.row_prefill)
+    for step in range(1, n):
+        decoder.step(solo.tokens[step - 1 : step], torch.tensor([len(prompt) + step - 1]))
+    return decoder.columns(0, len(prompt) - 1, n)
+
+
 def test_exact_repair_makes_the_row_history_solo_bitwise(flipping_batch):
     model, prompts, solos = flipping_batch
     prefills = [s.row_prefill for s in solos]
     with torch.inference_mode():
-        policy = PolicySpec("oracle", "exact").build(model, prompts, prefills, [s.logits for s in solos], STEPS)
+        policy = PolicySpec("oracle", "exact").build(model, prompts, prefills, solos, STEPS)
         free = run_free(model, prompts, prefills, "alone", PAD_ID, STEPS, set(), policy)
         verifier: ExactVerifier = policy.verifier
         for row, shadow in enumerate(verifier.shadows):
@@ -125,7 +133,7 @@ def test_exact_repair_makes_the_row_history_solo_bitwise(flipping_batch):
                 continue
             # The shadow replayed the emitted prefix with solo steps: its K/V equal the solo run's.
             n = shadow.fed
-            solo_kv = solos[row].kv_columns[:, :, :, :n]
+            solo_kv = solo_columns(model, prompts[row], solos[row], n)
             shadow_kv = cache_ops.columns_of_row(shadow.cache, 0, len(prompts[row]) - 1, n)
             assert torch.equal(shadow_kv, solo_kv)
     assert sum(map(sum, free.repaired)) > 0

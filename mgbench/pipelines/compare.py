@@ -12,7 +12,7 @@ one warm-up pass; prefill is done alone once and shared, so timings cover the de
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -23,7 +23,7 @@ from mgbench import SCHEMA_VERSION
 from mgbench.analysis import figures
 from mgbench.analysis.divergence import first_divergence
 from mgbench.assets import datasets
-from mgbench.engines.inprocess.audit import eos_token_ids, pad_token_id
+from mgbench.engines.inprocess.audit import alone_or_stop, eos_token_ids, pad_token_id
 from mgbench.engines.inprocess.batch_invariant import InvariancePlan, decoding_mode
 from mgbench.engines.inprocess.kernels import Kernels
 from mgbench.engines.inprocess.policies import MarginGate, PolicySpec
@@ -47,6 +47,27 @@ BREAKDOWN = ("gate", "decision_sync", "reference_forward", "cache_ops")
 
 
 WINDOWS = (16, 64)  # LLM-42's window sizes compared (64 is its default)
+
+
+@dataclass
+class _Decoded:
+    """One configuration's figures in one repeat, summed over the batches decoded so far."""
+
+    seconds: float = 0.0
+    triggers: int = 0
+    repairs: int = 0
+    outputs: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=lambda: {"replayed": 0, "discarded": 0})
+    per_sequence: dict = field(default_factory=dict)
+
+    def add(self, seconds, outputs, triggers, repairs, counts) -> None:
+        self.seconds += seconds
+        self.triggers += triggers
+        self.repairs += repairs
+        self.outputs.update(outputs)
+        self.per_sequence.update(counts.pop("per_sequence", {}))
+        for key, value in counts.items():
+            self.counts[key] = self.counts.get(key, 0) + value
 
 
 @dataclass(frozen=True)
@@ -140,7 +161,7 @@ def _decode_config(
                 free = run_free(model, prompts, prefills, "alone", pad_id, run.max_new_tokens, eos_ids, kernels=kernels)
         else:
             policy = config.spec.build(
-                model, prompts, prefills, [solos[i].logits for i in members], run.max_new_tokens, stopwatch
+                model, prompts, prefills, [solos[i] for i in members], run.max_new_tokens, stopwatch
             )
             free = run_free(model, prompts, prefills, "alone", pad_id, run.max_new_tokens, eos_ids, policy)
         seconds += free.decode_seconds
@@ -150,10 +171,10 @@ def _decode_config(
     return seconds, outputs, triggers, repairs, counts
 
 
-def gate_cost(lm, batches, solos, tau: float, unit: str, repeats: int = 50) -> dict:
-    """Time of the gate alone (top-2, comparison, the host sync of its decision) on real batch logits."""
-    members, _ = batches[0]
-    logits = torch.stack([solos[i].logits[min(1, len(solos[i].logits) - 1)] for i in members])
+def gate_cost(lm, members, solos, tau: float, unit: str, repeats: int = 50) -> dict:
+    """Time of the gate alone (top-2, comparison, the host sync of its decision) on real logits of
+    one batch (each row's first step, from its prefill)."""
+    logits = torch.stack([solos[i].row_prefill.logits for i in members])
     ctx = StepContext(
         1,
         logits,
@@ -210,30 +231,53 @@ def time_configurations(
         )
     kernels = Kernels("fixed-order", fixed_probe.plan) if fixed_probe is not None else None
     plan = probe.plan if probe is not None else None
+    # One batch's solo references at a time (memory bounded by the batch): every configuration
+    # and repeat decodes that batch before the next, and each configuration's figures are summed
+    # over the batches.
+    decoded = {(repeat, c.name): _Decoded() for repeat in range(repeats) for c in configs}
+    references: dict[str, dict] = {"stock solo": {}, "fixed-order solo": {}}
+    stopwatches = {c.name: Stopwatch(device) for c in configs if c.spec is not None}
+    iterations, extra = 0, {}
     with torch.inference_mode():
-        solos = {i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids) for i in order}
-        fixed_solos = {}
-        if kernels is not None:
-            with kernels.active(model):
-                fixed_solos = {i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids, kernels) for i in order}
-        references = {
-            "stock solo": {i: solos[i].tokens.tolist() for i in order},
-            "fixed-order solo": {i: fixed_solos[i].tokens.tolist() for i in fixed_solos},
-        }
-        on_progress("solo", len(order))
-        for config in configs:  # warm-up pass on the first batch, not recorded
-            _decode_config(config, lm, batches[:1], solos, run, eos_ids, pad_id, None, plan, (kernels, fixed_solos))
-        on_progress("warmup", 1)
+        for number, batch in enumerate(batches):
+            members, _ = batch
+            solos = {
+                i: alone_or_stop(lambda i=i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids)) for i in members
+            }
+            fixed_solos = {}
+            if kernels is not None:
+                with kernels.active(model):
+                    fixed_solos = {
+                        i: alone_or_stop(lambda i=i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids, kernels))
+                        for i in members
+                    }
+            references["stock solo"].update({i: solos[i].tokens.tolist() for i in members})
+            references["fixed-order solo"].update({i: fixed_solos[i].tokens.tolist() for i in fixed_solos})
+            on_progress("solo", len(members))
+            if number == 0:
+                extra.update(gate_cost(lm, members, solos, tau, unit))
+                for config in configs:  # warm-up pass on the first batch, not recorded
+                    _decode_config(config, lm, [batch], solos, run, eos_ids, pad_id, None, plan, (kernels, fixed_solos))
+                on_progress("warmup", 1)
+            for repeat in range(repeats):
+                for config in configs:
+                    stopwatch = stopwatches.get(config.name) if repeat == 0 else None
+                    decoded[repeat, config.name].add(
+                        *_decode_config(
+                            config, lm, [batch], solos, run, eos_ids, pad_id, stopwatch, plan, (kernels, fixed_solos)
+                        )
+                    )
+                    on_progress("configs", 1 / len(batches))
+            # batched decode iterations: each batch runs as long as its longest row
+            iterations += max(len(decoded[0, "none"].outputs[i]) for i in members) - 1
         for repeat in range(repeats):
             for config in configs:
-                stopwatch = Stopwatch(device) if repeat == 0 and config.spec is not None else None
-                seconds, outputs, triggers, repairs, counts = _decode_config(
-                    config, lm, batches, solos, run, eos_ids, pad_id, stopwatch, plan, (kernels, fixed_solos)
-                )
+                result = decoded[repeat, config.name]
+                outputs = result.outputs
                 reference = references[config_reference(config)]
                 identical = sum(first_divergence(reference[i], outputs[i]) is None for i in order)
-                for i, record in counts.pop("per_sequence", {}).items():
-                    if repeat == 0:
+                if repeat == 0:
+                    for i, record in result.per_sequence.items():
                         sequences.append(
                             {
                                 "config": config.name,
@@ -244,9 +288,7 @@ def time_configurations(
                                 **record,
                             }
                         )
-                if config.name == "none" and repeat == 0:
-                    # batched decode iterations: each batch runs as long as its longest row
-                    iterations = sum(max(len(outputs[i]) for i in members) - 1 for members, _ in batches)
+                stopwatch = stopwatches.get(config.name) if repeat == 0 else None
                 rows.append(
                     {
                         "config": config.name,
@@ -254,35 +296,38 @@ def time_configurations(
                         "repair": config.spec.repair if config.spec and config.spec.kind != "none" else "",
                         "reference": config_reference(config),
                         "repeat": repeat,
-                        "seconds": seconds,
+                        "seconds": result.seconds,
                         "tokens": sum(len(outputs[i]) - 1 for i in order),
                         "sequences": len(order),
                         "identical": identical,
                         "steps": sum(len(outputs[i]) for i in order),
-                        "triggers": triggers,
-                        "repairs": repairs,
-                        **counts,
+                        "triggers": result.triggers,
+                        "repairs": result.repairs,
+                        **result.counts,
                         **{
                             f"t_{name}": (stopwatch.seconds.get(name, 0.0) if stopwatch else None) for name in BREAKDOWN
                         },
                     }
                 )
-                on_progress("configs", 1)
         stock, fixed = references["stock solo"], references["fixed-order solo"]
-        extra = {
-            **gate_cost(lm, batches, solos, tau, unit),
-            **({"batch_invariant": run_summary(probe)} if probe is not None else {}),
-            **(
-                {
-                    "fixed_order": {
-                        **fixed_order_summary(fixed_probe),
-                        "stock_solo": {"requests": len(order), "identical": sum(stock[i] == fixed[i] for i in order)},
+        extra.update(
+            {
+                **({"batch_invariant": run_summary(probe)} if probe is not None else {}),
+                **(
+                    {
+                        "fixed_order": {
+                            **fixed_order_summary(fixed_probe),
+                            "stock_solo": {
+                                "requests": len(order),
+                                "identical": sum(stock[i] == fixed[i] for i in order),
+                            },
+                        }
                     }
-                }
-                if fixed_probe is not None
-                else {}
-            ),
-        }
+                    if fixed_probe is not None
+                    else {}
+                ),
+            }
+        )
     table = pd.DataFrame(rows)
     plain_step = table.loc[table["config"] == "none", "seconds"].median() / max(1, iterations)
     extra["plain_batched_step_seconds"] = plain_step

@@ -137,7 +137,7 @@ class Batch:
     rows: list[int]
     prompts: list
     prefills: list
-    logits: list
+    solos: list
 
     def part(self, chosen: list[int]) -> "Batch":
         """The batch of only `chosen` members, for an out-of-memory retry (plain batches only:
@@ -148,14 +148,14 @@ class Batch:
         return Batch(
             list(chosen),
             list(range(len(chosen))),
-            *([values[k] for k in picked] for values in (self.prompts, self.prefills, self.logits)),
+            *([values[k] for k in picked] for values in (self.prompts, self.prefills, self.solos)),
         )
 
 
 def _run_batch(model, run, spec, pad_id, eos_ids, batch: Batch, plan: InvariancePlan | None, kernels=STOCK):
     with kernels.active(model):
         prefills = row_prefills(model, batch.prompts, batch.prefills)
-    policy = spec.build(model, batch.prompts, prefills, batch.logits, run.max_new_tokens)
+    policy = spec.build(model, batch.prompts, prefills, batch.solos, run.max_new_tokens)
     with decoding_mode(model, batch.prompts, plan), kernels.active(model):
         free = run_free(
             model, batch.prompts, prefills, run.options.prefill, pad_id, run.max_new_tokens, eos_ids, policy, kernels
@@ -173,7 +173,7 @@ def _batches(group, batch_size, tensors, solos, needle, fillers, run, seed):
             rows,
             [tensors[j] if kind == "request" else fillers[j] for kind, j in slots],
             [None if solo is None else solo.row_prefill for solo in references],
-            [None if solo is None else solo.logits for solo in references],
+            references,
         )
 
 

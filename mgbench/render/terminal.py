@@ -249,7 +249,7 @@ def render_verify(console: Console, summary: dict) -> None:
             "batched margin",
             "ref margin",
             "solo margin",
-            "ref-solo max |dlogit|",
+            "ref-solo max |dlogit| (solo top-5)",
         ):
             short.add_column(column, justify="right")
         for s in summary["shortfalls"][:10]:
@@ -263,7 +263,11 @@ def render_verify(console: Console, summary: dict) -> None:
                 _fmt(s["batched_margin"], 3),
                 _fmt(s["reference_margin"], 3),
                 _fmt(s["solo_margin"], 3),
-                _fmt(s["reference_vs_solo_max_abs_logit_diff"], 3),
+                # Runs before 2026-12 recorded the distance over the whole vocabulary.
+                _fmt(
+                    s.get("reference_vs_solo_max_abs_diff_at_solo_top", s.get("reference_vs_solo_max_abs_logit_diff")),
+                    3,
+                ),
             )
         console.print(short)
     render_oom_splits(console, summary.get("oom_splits") or [])

@@ -37,6 +37,12 @@ def pad_token_id(tokenizer, eos_ids: set[int]) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
 
 
+def alone_or_stop(run: Callable[[], object]):
+    """`run()` of one request alone; out of memory there stops the run with the one-line error."""
+    [(_, result)] = run_splitting_on_oom([None], lambda _: run(), lambda batch_size, half: None)
+    return result
+
+
 def solo_groups(
     model,
     prompts: list[list[int]],
@@ -45,24 +51,19 @@ def solo_groups(
     eos_ids: set[int],
     device: str,
     kernels: Kernels = STOCK,
-    stock_agreement: dict | None = None,
 ):
     """Yield (group index, group, prompt tensors, solo results) for each (index, group) given.
 
-    Solo references are computed once per group and dropped with it, which bounds memory. They
-    run through `kernels` (the run's reference); with fixed-order kernels and a `stock_agreement`
-    dict, each request is also decoded alone with the stock kernels and the dict counts, per group
-    (cleared at each), how many fixed-order solo outputs equal the stock ones."""
+    Solo references (tokens and per-step margins, never logits) are computed once per group and
+    dropped with it. They run through `kernels` (the run's reference); a request too large to
+    decode alone stops the run with the out-of-memory line."""
     for index, group in groups:
         tensors = {i: torch.tensor(prompts[i], dtype=torch.long, device=device) for i in group}
         with kernels.active(model):
-            solos = {i: run_solo(model, tensors[i], max_new_tokens, eos_ids, kernels) for i in group}
-        if kernels.fixed_order and stock_agreement is not None:
-            stock = {i: run_solo(model, tensors[i], max_new_tokens, eos_ids).tokens for i in group}
-            stock_agreement.clear()
-            stock_agreement.update(
-                requests=len(group), identical=sum(torch.equal(stock[i], solos[i].tokens) for i in group)
-            )
+            solos = {
+                i: alone_or_stop(lambda i=i: run_solo(model, tensors[i], max_new_tokens, eos_ids, kernels))
+                for i in group
+            }
         yield index, group, tensors, solos
 
 
@@ -84,9 +85,13 @@ def audit_groups(
 ) -> Iterator[tuple[int, AuditRecords]]:
     """Yield (group index, records of that group) for every wanted group, in decoding order.
 
-    With a `plan` (the batch-invariant mode) every batched pass runs under it; with fixed-order
-    `kernels` every pass does, the solo reference included, and each group's records carry
-    `kernel_facts` (the probe's plan) and its fixed-order vs stock solo agreement."""
+    Each request is decoded alone in lockstep with its first batch (the teacher-forced pass
+    compares each step's logits and drops them), and re-decoded beside its batch at every
+    further batch size, so memory stays bounded by the batch's caches whatever max_new_tokens.
+    Solo decoding runs inside the out-of-memory splitter with its batch. With a `plan` (the
+    batch-invariant mode) every batched forward runs under it; with fixed-order `kernels` every
+    forward does, the solo reference's included, and each group's records carry `kernel_facts`
+    (the probe's plan) and its fixed-order vs stock solo agreement."""
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
     groups = wanted_groups(prompts, options, wanted, on_progress)
@@ -94,32 +99,36 @@ def audit_groups(
 
     def run_batch(members):
         batch_prompts = [tensors[i] for i in members]
-        batch_solos = [solos[i] for i in members]
-        with decoding_mode(model, batch_prompts, plan), kernels.active(model):
-            forced = run_teacher_forced(model, batch_prompts, batch_solos, options.prefill, pad_id, kernels)
-            free = run_free(
+        with kernels.active(model):
+            forced = run_teacher_forced(
                 model,
                 batch_prompts,
-                [s.row_prefill for s in batch_solos],
+                [solos.get(i) for i in members],
                 options.prefill,
                 pad_id,
                 max_new_tokens,
                 eos_ids,
-                kernels=kernels,
+                kernels,
+                lambda: decoding_mode(model, batch_prompts, plan),
             )
+            with decoding_mode(model, batch_prompts, plan):
+                free = run_free(
+                    model,
+                    batch_prompts,
+                    [s.row_prefill for s in forced.solos],
+                    options.prefill,
+                    pad_id,
+                    max_new_tokens,
+                    eos_ids,
+                    kernels=kernels,
+                )
         return forced, free
 
-    agreement: dict = {}
     with torch.inference_mode():
-        for index, group, tensors, solos in solo_groups(
-            model, prompts, groups, max_new_tokens, eos_ids, device, kernels, agreement
-        ):
+        for index, group in groups:
+            tensors = {i: torch.tensor(prompts[i], dtype=torch.long, device=device) for i in group}
+            solos: dict = {}  # request -> its solo result, from its first batch on
             records = AuditRecords()
-            if kernels.fixed_order:
-                records.extra["fixed_order"] = {**(kernel_facts or {}), "stock_solo": dict(agreement)}
-            records.solo_tokens += sum(len(s.tokens) - 1 for s in solos.values())
-            records.solo_seconds += sum(s.decode_seconds for s in solos.values())
-            on_progress("solo", len(group))
             batch_id = batch_id_base(index, group_size, len(options.batch_sizes))
             split = recording_splits(records.oom_splits, on_split)
 
@@ -128,6 +137,12 @@ def audit_groups(
                     for members, (forced, free) in run_splitting_on_oom(
                         group[start : start + batch_size], run_batch, split
                     ):
+                        fresh = [i for i in members if i not in solos]
+                        solos.update(zip(members, forced.solos))
+                        if fresh:  # this batch decoded its requests' solo references
+                            records.solo_tokens += sum(len(solos[i].tokens) - 1 for i in fresh)
+                            records.solo_seconds += forced.solo_seconds
+                            on_progress("solo", len(fresh))
                         ran = len(members)
                         records.batched_tokens[ran] = records.batched_tokens.get(ran, 0) + sum(
                             len(t) - 1 for t in free.tokens
@@ -144,14 +159,28 @@ def audit_groups(
                                 ran,
                                 forced.pad_lens[row],
                                 forced.rows[row],
-                                solos[i].tokens.tolist(),
+                                solos[i],
                                 free.tokens[row],
                                 free.triggered[row],
                                 free.repaired[row],
                             )
                         batch_id += 1
                         on_progress("batched", ran)
+            if kernels.fixed_order:
+                records.extra["fixed_order"] = {
+                    **(kernel_facts or {}),
+                    "stock_solo": stock_solo_agreement(
+                        model, [tensors[i] for i in group], [solos[i] for i in group], max_new_tokens, eos_ids
+                    ),
+                }
             yield index, records
+
+
+def stock_solo_agreement(model, prompts, solos, max_new_tokens: int, eos_ids: set[int]) -> dict:
+    """How many fixed-order solo outputs equal the stock kernels' solo outputs (each request
+    decoded alone once more, stock, outside the fixed-order block)."""
+    stock = [run_solo(model, p, max_new_tokens, eos_ids).tokens for p in prompts]
+    return {"requests": len(prompts), "identical": sum(torch.equal(a, s.tokens) for a, s in zip(stock, solos))}
 
 
 def _append_rows(
@@ -164,7 +193,7 @@ def _append_rows(
     batch_size,
     pad_len,
     forced_row,
-    solo_ids,
+    solo,
     batched_ids,
     triggered,
     repaired,
@@ -182,6 +211,7 @@ def _append_rows(
             **forced_row,
         }
     )
+    solo_ids = solo.tokens.tolist()
     divergence = first_divergence(solo_ids, batched_ids)
     records.sequences.append(
         {
@@ -194,6 +224,7 @@ def _append_rows(
             "prompt_len": len(prompt),
             "prompt_ids": prompt,
             "solo_ids": solo_ids,
+            "solo_margins": solo.margins.tolist(),  # every solo step's top-1 minus top-2 logit
             "batched_ids": batched_ids,
             "first_divergence": divergence,
             "identical": divergence is None,

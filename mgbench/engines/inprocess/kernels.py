@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from mgbench.engines.inprocess.aligned_cache import StartAlignedCache
-from mgbench.engines.inprocess.cache import cache_layers, clone_layers, columns_of_row
+from mgbench.engines.inprocess.cache import cache_from_layers, cache_layers, clone_layers, columns_of_row
 from mgbench.engines.inprocess.decode import RowPrefill, assemble_prefilled, decode_step, prefill_alone, prefill_batched
 from mgbench.engines.inprocess.fixed_order import FixedOrderPlan, fixed_order_kernels, fixed_order_step
 from mgbench.runs.options import KERNEL_SETS
@@ -64,11 +64,15 @@ class PaddedDecoder:
 class SoloDecoder(PaddedDecoder):
     """Stock kernels, one request alone: its own unpadded cache, as the prefill left it."""
 
-    def __init__(self, model, prompt: torch.Tensor):
+    def __init__(self, model, prompt: torch.Tensor, prefill: RowPrefill | None = None):
         self.model, self.pads = model, [0]
-        logits, self.cache = prefill_alone(model, prompt)
-        self.logits = logits.view(1, -1)
-        self.prefill = RowPrefill(logits, clone_layers(cache_layers(self.cache)))
+        if prefill is None:
+            logits, self.cache = prefill_alone(model, prompt)
+            prefill = RowPrefill(logits, clone_layers(cache_layers(self.cache)))
+        else:  # the same prompt cache again (a copy: decoding appends to it)
+            self.cache = cache_from_layers(clone_layers(prefill.layers), model.config)
+        self.prefill = prefill
+        self.logits = prefill.logits.view(1, -1)
         self.mask = torch.ones((1, len(prompt)), dtype=torch.long, device=prompt.device)
 
 
@@ -121,10 +125,11 @@ class Kernels:
             return AlignedDecoder(model, prompts, prefills, room, self.plan)
         return PaddedDecoder(model, prompts, prefills, prefill, pad_id)
 
-    def solo(self, model, prompt: torch.Tensor, room: int):
+    def solo(self, model, prompt: torch.Tensor, room: int, prefill: RowPrefill | None = None):
+        """A decoder for one request alone, from its `prefill` when it was computed before."""
         if self.fixed_order:
-            return AlignedDecoder(model, [prompt], None, room, self.plan)
-        return SoloDecoder(model, prompt)
+            return AlignedDecoder(model, [prompt], [prefill], room, self.plan)
+        return SoloDecoder(model, prompt, prefill)
 
 
 STOCK = Kernels()

@@ -70,12 +70,12 @@ class MarginGate:
 class OracleGate:
     """Flags the steps whose batched argmax differs from the solo token at the same step."""
 
-    def __init__(self, solo_logits: list[torch.Tensor | None], steps: int):
-        device = next(logits.device for logits in solo_logits if logits is not None)
-        self.reference = torch.full((len(solo_logits), steps), -1, dtype=torch.long, device=device)
-        for row, logits in enumerate(solo_logits):
-            if logits is not None:  # rows without a reference (needle fillers) are never flagged
-                self.reference[row, : min(len(logits), steps)] = logits[:steps].argmax(-1)
+    def __init__(self, solos: list, steps: int):
+        device = next(solo.tokens.device for solo in solos if solo is not None)
+        self.reference = torch.full((len(solos), steps), -1, dtype=torch.long, device=device)
+        for row, solo in enumerate(solos):
+            if solo is not None:  # rows without a reference (needle fillers) are never flagged
+                self.reference[row, : min(len(solo.tokens), steps)] = solo.tokens[:steps]
 
     def flags(self, ctx: StepContext) -> torch.Tensor:
         expected = self.reference[:, ctx.step]
@@ -126,9 +126,9 @@ class PolicySpec:
         gate = f"margin<{self.tau:.4g}{'ulp' if self.unit == 'ulp' else ''}" if self.kind == "margin" else self.kind
         return f"{gate}/{self.repair}"
 
-    def build(self, model, prompts, prefills, solo_logits=None, steps: int = 0, stopwatch=None) -> Policy:
-        """`solo_logits` (per row [n, vocab], or None for rows without a reference) drive the
-        oracle gate and the shortfall diagnostics; they never feed a verification."""
+    def build(self, model, prompts, prefills, solos=None, steps: int = 0, stopwatch=None) -> Policy:
+        """`solos` (per row a SoloResult, or None for rows without a reference) drive the oracle
+        gate and the shortfall diagnostics; they never feed a verification."""
         if self.kind == "none":
             return NoVerification()
         if self.kind == "always":
@@ -136,10 +136,10 @@ class PolicySpec:
         elif self.kind == "margin":
             gate = MarginGate(self.tau, self.unit)
         else:
-            if solo_logits is None:
+            if solos is None:
                 raise ValueError("the oracle policy needs the solo reference")
-            gate = OracleGate(solo_logits, steps)
-        verifier = make_verifier(self.repair, model, prompts, prefills, solo_logits, stopwatch)
+            gate = OracleGate(solos, steps)
+        verifier = make_verifier(self.repair, model, prompts, prefills, solos, stopwatch)
         return VerifyingPolicy(self.label, gate, verifier, stopwatch)
 
 

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from mgbench.engines.inprocess.cache import LayerKV
+from mgbench.analysis.divergence import first_divergence
 from mgbench.engines.inprocess.decode import RowPrefill
 from mgbench.engines.inprocess.kernels import STOCK, Kernels, PaddedDecoder, row_prefills  # noqa: F401 (re-export)
-from mgbench.engines.inprocess.metrics import kv_relative_delta, margins, step_metrics
+from mgbench.engines.inprocess.metrics import TOP_LOGPROBS, kv_relative_delta, margins, step_metrics
 from mgbench.engines.inprocess.policies import NoVerification, Policy
 from mgbench.engines.inprocess.step import StepContext
+from mgbench.errors import UserError
 
 
 def synchronize(device) -> None:
@@ -28,36 +30,73 @@ class DecodeTimer:
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
         if self.cuda:
+            # Recorded on the run's device's stream, whichever GPU is current.
+            self.stream = torch.cuda.current_stream(torch.device(device))
             self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.begin.record()
+            self.begin.record(self.stream)
         else:
             self.started = time.perf_counter()
 
     def seconds(self) -> float:
         if self.cuda:
-            self.end.record()
+            self.end.record(self.stream)
             self.end.synchronize()
             return self.begin.elapsed_time(self.end) / 1000.0
         return time.perf_counter() - self.started
 
 
+class SectionTimer:
+    """Seconds spent inside `with timer:` blocks, summed: CUDA events on the run's GPU (read once,
+    at the end), perf_counter elsewhere. Times the solo lanes of a lockstep loop apart from the batch."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.stream = torch.cuda.current_stream(torch.device(device)) if self.cuda else None
+        self.spans: list = []
+        self.total = 0.0
+
+    def __enter__(self):
+        if self.cuda:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.begin.record(self.stream)
+        else:
+            self.started = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.stream)
+            self.spans.append((self.begin, end))
+        else:
+            self.total += time.perf_counter() - self.started
+
+    def seconds(self) -> float:
+        if self.spans:
+            self.spans[-1][1].synchronize()
+            self.total += sum(begin.elapsed_time(end) for begin, end in self.spans) / 1000.0
+            self.spans = []
+        return self.total
+
+
 @dataclass
 class SoloResult:
-    tokens: torch.Tensor  # [n] generated tokens, EOS included when reached
-    logits: torch.Tensor  # [n, vocab] in the model's dtype
-    prefill: LayerKV  # the prompt's cache at batch size 1, as left by prefill
-    kv_columns: torch.Tensor  # [layers, 2, kv_heads, n, head_dim]: K/V of each step's input token
-    decode_seconds: float  # steps 1..n-1 (prefill excluded)
+    """A request decoded alone, kept in a size bounded by its tokens (never its logits): what
+    policies, diagnostics and later lockstep passes read from the solo reference."""
 
-    @property
-    def row_prefill(self) -> RowPrefill:
-        return RowPrefill(self.logits[0], self.prefill)
+    tokens: torch.Tensor  # [n] generated tokens, EOS included when reached
+    margins: torch.Tensor  # [n] float32 top-1 minus top-2 logit of each step
+    top_ids: torch.Tensor  # [n, TOP_LOGPROBS] the step's highest logits' ids
+    top_logits: torch.Tensor  # [n, TOP_LOGPROBS] float32 their values
+    row_prefill: RowPrefill  # the prompt's first-step logits and batch-of-one cache, as prefill left them
+    decode_seconds: float | None  # steps 1..n-1 (prefill excluded); None when timed with other lanes
 
 
 @dataclass
 class TeacherForcedResult:
     pad_lens: list[int]
     rows: list[dict]  # per row: metric name -> numpy array over the row's steps
+    solos: list[SoloResult]  # each row's solo reference (the one given, or the one decoded in lockstep)
+    solo_seconds: float  # the solo lanes' decode steps (steps 1..), all rows together
 
 
 @dataclass
@@ -71,25 +110,35 @@ class FreeRunResult:
     decode_seconds: float
 
 
+def solo_summary(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a solo result keeps of each step's logits [B, vocab]: (token, margin, top ids, top values)."""
+    top = logits.float().topk(TOP_LOGPROBS, dim=-1)
+    return logits.argmax(-1), top.values[..., 0] - top.values[..., 1], top.indices, top.values
+
+
+def solo_result(steps: list[tuple], row_prefill: RowPrefill, seconds: float | None, row: int = 0) -> SoloResult:
+    """A SoloResult from one row of per-step `solo_summary` tuples."""
+    tokens, margin, ids, values = (torch.stack([s[k][row] for s in steps]) for k in range(4))
+    return SoloResult(tokens, margin, ids, values, row_prefill, seconds)
+
+
 def run_solo(
     model, prompt: torch.Tensor, max_new_tokens: int, eos_ids: set[int], kernels: Kernels = STOCK
 ) -> SoloResult:
     """Greedy decoding of one request alone: batch size 1, no padding, through `kernels`."""
     decoder = kernels.solo(model, prompt, max_new_tokens)
-    all_logits, tokens = [decoder.logits[0]], [int(decoder.logits[0].argmax())]
+    steps = [solo_summary(decoder.logits)]
+    tokens = [int(steps[0][0][0])]
     timer = DecodeTimer(prompt.device)
     for step in range(1, max_new_tokens):
         if tokens[-1] in eos_ids:
             break
         token = torch.tensor([tokens[-1]], device=prompt.device)
         position = torch.tensor([len(prompt) + step - 1], device=prompt.device)
-        logits = decoder.step(token, position)
-        all_logits.append(logits[0])
-        tokens.append(int(logits[0].argmax()))
+        steps.append(solo_summary(decoder.step(token, position)))
+        tokens.append(int(steps[-1][0][0]))
     seconds = timer.seconds()
-    kv = decoder.columns(0, len(prompt) - 1, len(tokens))
-    prefill = decoder.prefill
-    return SoloResult(torch.tensor(tokens, device=prompt.device), torch.stack(all_logits), prefill.layers, kv, seconds)
+    return solo_result(steps, decoder.prefill, seconds)
 
 
 def prefill_for_batch(model, prompts, prefills: list[RowPrefill] | None, prefill: str, pad_id: int):
@@ -99,39 +148,91 @@ def prefill_for_batch(model, prompts, prefills: list[RowPrefill] | None, prefill
 
 
 def run_teacher_forced(
-    model, prompts, solos: list[SoloResult], prefill: str, pad_id: int, kernels: Kernels = STOCK
+    model,
+    prompts,
+    solos: list[SoloResult | None],
+    prefill: str,
+    pad_id: int,
+    max_new_tokens: int | None = None,
+    eos_ids: set[int] = frozenset(),
+    kernels: Kernels = STOCK,
+    batch_mode=nullcontext,
 ) -> TeacherForcedResult:
-    """Batched decoding fed the solo token at every step, so prefixes stay identical."""
-    lengths = [len(s.tokens) for s in solos]
-    steps = max(lengths)
-    device = prompts[0].device
-    # Rows whose solo output ended early are fed padding and their extra steps discarded.
-    solo_tokens = torch.full((len(solos), steps), pad_id, dtype=torch.long, device=device)
-    solo_logits = torch.zeros(
-        (len(solos), steps, solos[0].logits.shape[-1]), dtype=solos[0].logits.dtype, device=device
-    )
-    for row, solo in enumerate(solos):
-        solo_tokens[row, : lengths[row]] = solo.tokens
-        solo_logits[row, : lengths[row]] = solo.logits
-    prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
+    """Batched decoding fed the solo token at every step, so prefixes stay identical.
 
-    decoder = kernels.batch(model, prompts, [s.row_prefill for s in solos], prefill, pad_id, steps)
-    per_step = [step_metrics(decoder.logits, solo_logits[:, 0])]
-    for step in range(1, steps):
-        logits = decoder.step(solo_tokens[:, step - 1], prompt_lens + step - 1)
-        per_step.append(step_metrics(logits, solo_logits[:, step]))
+    The solo reference runs in lockstep, one solo lane per row stepping beside the batch, so each
+    step's solo logits are compared and dropped: memory is the caches and a few floats per step,
+    whatever max_new_tokens. A row with a known solo result re-decodes it (fed its tokens; the
+    same computation, so the same logits); a row without one decodes greedily and returns its
+    result (`max_new_tokens` then bounds it; by default the known results' longest length).
+    `batch_mode()` is entered around the batch's forwards only (the batch-invariant mode must not
+    touch the solo lanes)."""
+    device = prompts[0].device
+    if max_new_tokens is None:
+        max_new_tokens = max(len(s.tokens) for s in solos)
+    lanes = [
+        kernels.solo(model, p, max_new_tokens, None if s is None else s.row_prefill) for p, s in zip(prompts, solos)
+    ]
+    known = [None if s is None else s.tokens.tolist() for s in solos]
+    with batch_mode():
+        decoder = kernels.batch(model, prompts, [lane.prefill for lane in lanes], prefill, pad_id, max_new_tokens)
+    prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
+    solo_logits = torch.stack([lane.logits[0] for lane in lanes])
+    per_step = [step_metrics(decoder.logits, solo_logits)]
+    summaries = [solo_summary(solo_logits)]
+    tokens = summaries[0][0].tolist()
+    lengths = [None] * len(prompts)  # a row's solo length, once its lane has ended
+    timer = SectionTimer(device)
+    for step in range(1, max_new_tokens):
+        for row, token in enumerate(tokens):
+            if lengths[row] is None and (token in eos_ids or (known[row] is not None and step == len(known[row]))):
+                lengths[row] = step
+        active = [row for row in range(len(prompts)) if lengths[row] is None]
+        if not active:
+            break
+        # Rows whose solo output ended are fed padding; their extra steps are discarded.
+        fed = [tokens[row] if lengths[row] is None else pad_id for row in range(len(prompts))]
+        fed = torch.tensor(fed, dtype=torch.long, device=device)
+        solo_logits = torch.zeros_like(solo_logits)
+        with timer:
+            for row in active:
+                solo_logits[row] = lanes[row].step(fed[row : row + 1], prompt_lens[row : row + 1] + step - 1)[0]
+        with batch_mode():
+            logits = decoder.step(fed, prompt_lens + step - 1)
+        per_step.append(step_metrics(logits, solo_logits))
+        summaries.append(solo_summary(solo_logits))
+        tokens = summaries[-1][0].tolist()
+    lengths = [len(per_step) if n is None else n for n in lengths]
+    for row, expected in enumerate(known):
+        _check_repeat(expected, [int(s[0][row]) for s in summaries[: lengths[row]]])
 
     columns = {name: torch.stack([m[name] for m in per_step], dim=1).cpu().numpy() for name in per_step[0]}
-    rows = []
-    for row, solo in enumerate(solos):
+    rows, results = [], []
+    for row, prompt in enumerate(prompts):
         n = lengths[row]
-        batched_kv = decoder.columns(row, len(prompts[row]) - 1, n)
-        kv_mean, kv_max = kv_relative_delta(batched_kv, solo.kv_columns)
+        # K/V of each step's input token, read from the two caches at the end (the caches hold them anyway).
+        batched_kv = decoder.columns(row, len(prompt) - 1, n)
+        kv_mean, kv_max = kv_relative_delta(batched_kv, lanes[row].columns(0, len(prompt) - 1, n))
         record = {name: values[row, :n] for name, values in columns.items()}
         record["kv_delta_mean"] = kv_mean.cpu().numpy()
         record["kv_delta_max"] = kv_max.cpu().numpy()
         rows.append(record)
-    return TeacherForcedResult(decoder.pads, rows)
+        results.append(solos[row] or solo_result(summaries[:n], lanes[row].prefill, None, row))
+    return TeacherForcedResult(decoder.pads, rows, results, timer.seconds())
+
+
+def _check_repeat(expected: list[int] | None, decoded: list[int]) -> None:
+    """A re-decoded solo reference must give the tokens it gave before: the tables compare
+    batches against one reference, so a device whose solo decoding does not repeat is reported."""
+    if expected is not None and decoded != expected:
+        step = first_divergence(expected, decoded)
+        got = decoded[step] if step < len(decoded) else "the end"
+        raise UserError(
+            f"solo decoding does not repeat on this device: a request decoded alone again gave {got} "
+            f"instead of {expected[step] if step < len(expected) else 'the end'} at step {step}, so the "
+            "batch sizes of one run would be compared with different references; sweep one batch size "
+            "per run (--batch-size)"
+        )
 
 
 def run_free(

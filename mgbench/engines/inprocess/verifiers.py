@@ -44,28 +44,30 @@ def overwrite_row_history(cache, row: int, pad_len: int, source) -> None:
 
 class _PrefillReference:
     def __init__(
-        self, model, prompts: list[torch.Tensor], prefills: list[RowPrefill | None], solo_logits=None, stopwatch=None
+        self, model, prompts: list[torch.Tensor], prefills: list[RowPrefill | None], solos=None, stopwatch=None
     ):
         self.model, self.prompts, self.prefills = model, prompts, list(prefills)
         self.clock = stopwatch or NoStopwatch()
-        # Diagnostics only: with the solo logits known, every verification whose reference token
+        # Diagnostics only: with the solo results known, every verification whose reference token
         # differs from the solo token on a still-identical prefix is logged as a shortfall.
-        self.solo_logits = solo_logits
+        self.solos = solos
         self.shortfalls: list[dict] = []
 
     def check_reference(self, ctx: StepContext, row: int, reference: torch.Tensor) -> None:
-        solo = self.solo_logits[row] if self.solo_logits is not None else None
-        if solo is None or ctx.step >= len(solo):
+        solo = self.solos[row] if self.solos is not None else None
+        if solo is None or ctx.step >= len(solo.tokens):
             return
-        solo_token = int(solo[ctx.step].argmax())
+        solo_token = int(solo.tokens[ctx.step])
         if int(reference.argmax()) == solo_token:
             return
         prefix = [int(t[row]) for t in ctx.emitted]
-        if prefix != solo[: ctx.step].argmax(-1).tolist():
+        if prefix != solo.tokens[: ctx.step].tolist():
             return  # already diverged earlier: not a new shortfall
         ref_top = reference.float().topk(2).values
-        solo_top = solo[ctx.step].float().topk(2).values
         batched_top = ctx.logits[row].float().topk(2).values
+        # The solo result keeps its top logits only (never a whole step's): the distance is
+        # measured over the solo's top ids.
+        at_solo_top = (reference.float()[solo.top_ids[ctx.step]] - solo.top_logits[ctx.step]).abs().max()
         self.shortfalls.append(
             {
                 "row": row,
@@ -74,8 +76,8 @@ class _PrefillReference:
                 "reference_token": int(reference.argmax()),
                 "batched_margin": float(batched_top[0] - batched_top[1]),
                 "reference_margin": float(ref_top[0] - ref_top[1]),
-                "solo_margin": float(solo_top[0] - solo_top[1]),
-                "reference_vs_solo_max_abs_logit_diff": float((reference.float() - solo[ctx.step].float()).abs().max()),
+                "solo_margin": float(solo.margins[ctx.step]),
+                "reference_vs_solo_max_abs_diff_at_solo_top": float(at_solo_top),
             }
         )
 
@@ -132,8 +134,8 @@ class Shadow:
 class ExactVerifier(_PrefillReference):
     name = "exact"
 
-    def __init__(self, model, prompts, prefills, solo_logits=None, stopwatch=None):
-        super().__init__(model, prompts, prefills, solo_logits, stopwatch)
+    def __init__(self, model, prompts, prefills, solos=None, stopwatch=None):
+        super().__init__(model, prompts, prefills, solos, stopwatch)
         self.shadows: list[Shadow | None] = [None] * len(prompts)
 
     def shadow_of(self, row: int) -> Shadow:
@@ -179,9 +181,9 @@ class ExactVerifier(_PrefillReference):
         return token, True
 
 
-def make_verifier(mode: str, model, prompts, prefills, solo_logits=None, stopwatch=None):
+def make_verifier(mode: str, model, prompts, prefills, solos=None, stopwatch=None):
     if mode == "column":
-        return ColumnVerifier(model, prompts, prefills, solo_logits, stopwatch)
+        return ColumnVerifier(model, prompts, prefills, solos, stopwatch)
     if mode == "exact":
-        return ExactVerifier(model, prompts, prefills, solo_logits, stopwatch)
+        return ExactVerifier(model, prompts, prefills, solos, stopwatch)
     raise ValueError(f"unknown repair mode {mode!r}")
