@@ -1,4 +1,4 @@
-"""The black-box audit of a served model: solo, batched at each size, solo again (README: Auditing a serving engine).
+"""The black-box audit of a served model: solo, batched at each size, solo again (docs/engines.md).
 
 Groups of requests are the same as the in-process engine's (the largest batch size), and so are
 the records each group yields: the flips pipeline commits, resumes and summarises both alike.
