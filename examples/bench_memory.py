@@ -43,22 +43,6 @@ if CHECKOUT is not None and str(CHECKOUT) not in sys.path:
     sys.path.insert(0, str(CHECKOUT))
 
 
-def code_revision() -> str:
-    """The checkout's commit, and whether mgbench/ has uncommitted changes (what the runs ran)."""
-    from mgbench.runs.rundir import git_revision
-
-    revision = git_revision()[:12]
-    if CHECKOUT is None or revision == "unknown":
-        return revision
-    try:
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--", "mgbench"], cwd=CHECKOUT, capture_output=True, text=True, timeout=10
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return revision
-    return revision + (" + uncommitted changes in mgbench/" if status.strip() else "")
-
-
 EOS_ID = 2  # the default model tokenizer's <|im_end|> (its eos and pad token)
 
 
@@ -102,6 +86,7 @@ def machine_line(device: str) -> str:
 
     from mgbench import __version__
     from mgbench.runs.machine import cpu_name
+    from mgbench.runs.rundir import code_revision
 
     parts = [
         f"mgbench {__version__} (git {code_revision()})",

@@ -42,22 +42,6 @@ if CHECKOUT is not None and str(CHECKOUT) not in sys.path:
     sys.path.insert(0, str(CHECKOUT))
 
 
-def code_revision() -> str:
-    """The checkout's commit, and whether mgbench/ has uncommitted changes (what the runs ran)."""
-    from mgbench.runs.rundir import git_revision
-
-    revision = git_revision()[:12]
-    if CHECKOUT is None or revision == "unknown":
-        return revision
-    try:
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--", "mgbench"], cwd=CHECKOUT, capture_output=True, text=True, timeout=10
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return revision
-    return revision + (" + uncommitted changes in mgbench/" if status.strip() else "")
-
-
 FALLBACK_TAU = 0.5  # verify and compare need a threshold when the calibration saw no flip
 
 
@@ -138,6 +122,7 @@ def header_lines(device: str) -> list[str]:
 
     from mgbench import __version__
     from mgbench.runs.machine import cpu_name
+    from mgbench.runs.rundir import code_revision
 
     lines = []
     if device.startswith("cuda"):

@@ -127,6 +127,25 @@ def git_revision() -> str:
         return "unknown"
 
 
+def code_revision() -> str:
+    """The commit mgbench runs from (12 digits), marked when its package has uncommitted changes:
+    what a benchmark's figures ran on."""
+    revision = git_revision()[:12]
+    if revision == "unknown":
+        return revision
+    try:
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--", "."],
+            cwd=Path(__file__).parents[1],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return revision
+    return revision + (" + uncommitted changes in mgbench/" if status.strip() else "")
+
+
 def device_name(device: str) -> str:
     from mgbench.runs.machine import cpu_name
 
