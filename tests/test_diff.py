@@ -381,6 +381,22 @@ def test_out_writes_a_run_that_json_pandas_and_report_read(runs, tmp_path, monke
     assert "`kernel_environment.ATEN_CPU_CAPABILITY`" in text
 
 
+def test_manifest_differences_keep_what_names_the_build_and_skip_run_noise():
+    from mgbench.analysis.manifests import manifest_differences
+
+    props = {"total_slots": 8, "build_info": "b1", "chat_template": "{% x %}", "default_generation_settings": {}}
+    base = {"created_utc": "t0", "argv": ["a"], "endpoint": {"url": "u0", "props": props}, "torch": "2.13"}
+    other = {
+        "created_utc": "t1",
+        "argv": ["b"],
+        "endpoint": {"url": "u1", "props": {**props, "total_slots": 1, "chat_template": "{% y %}"}},
+        "torch": "2.13",
+        "kernel_environment": {"ATEN_CPU_CAPABILITY": "avx2"},
+    }
+    keys = [d["key"] for d in manifest_differences([base, other])]
+    assert keys == ["kernel_environment.ATEN_CPU_CAPABILITY", "endpoint.props.total_slots", "endpoint.url"]
+
+
 def test_diff_never_imports_torch(runs):
     a, b, _ = runs
     done = subprocess.run(
@@ -416,8 +432,12 @@ def test_endpoint_fleet_records_one_run_per_replica_and_diff_finds_the_planted_o
     audit writes OUT/replica-0 and OUT/replica-1 (complete runs, solo margins recorded), and diff
     finds every request diverging at step 4 with the stub's margin (0.25) on both sides."""
     with StubServer() as same, StubServer(StubState(shift_at=4)) as moved:
-        fleet = endpoint_flips(f"{same.url},{moved.url}", tmp_path / "fleet")
+        urls = f"{same.url},{moved.url}"
+        fleet = endpoint_flips(urls, tmp_path / "fleet", "--junit", str(tmp_path / "flips.xml"))
     assert [r["replica"] for r in fleet["replicas"]] == [0, 1]
+    assert sorted(p.name for p in tmp_path.glob("flips*.xml")) == ["flips-replica-0.xml", "flips-replica-1.xml"]
+    again = endpoint_flips(urls, tmp_path / "fleet", "--resume")  # servers gone: complete replicas are skipped
+    assert [r["summary"] for r in again["replicas"]] == [r["summary"] for r in fleet["replicas"]]
     zero, one = (Path(r["run"]) for r in fleet["replicas"])
     assert (zero, one) == (tmp_path / "fleet" / "replica-0", tmp_path / "fleet" / "replica-1")
     sequences = pd.read_parquet(zero / "sequences.parquet")

@@ -23,7 +23,13 @@ NOT_COMPARED = (
     "endpoint.notes",
     "options.policies",
     "options.require_determinism",
+    "endpoint.request_timeout_s",
+    "client",
 )
+# llama.cpp's /props holds its whole default sampling setup and chat template; of it, what names
+# the build, the slots and the weights it decoded with.
+PROPS = "endpoint.props."
+PROPS_COMPARED = ("build_info", "total_slots", "model_path", "model_ftype", "default_generation_settings.n_ctx")
 # Where what a reader looks for first (the machine, the kernels, the engine) comes in the list.
 SHOWN_FIRST = (
     "device_name",
@@ -62,6 +68,10 @@ def flatten(document: dict, prefix: str = "") -> dict:
     for key, value in document.items():
         name = f"{prefix}{key}"
         if any(name == skip or name.startswith(skip + ".") for skip in NOT_COMPARED):
+            continue
+        if name.startswith(PROPS) and not any(
+            name[len(PROPS) :] == kept or kept.startswith(name[len(PROPS) :] + ".") for kept in PROPS_COMPARED
+        ):
             continue
         if isinstance(value, dict) and value:
             flat.update(flatten(value, name + "."))

@@ -294,7 +294,8 @@ def describe_run(run: RecordedRun) -> dict:
         "command": run.command,
         "engine": engine.get("label") or run.summary.get("engine") or "in-process",  # runs before engines: in process
         "device_name": manifest.get("device_name"),
-        "kernel_environment": manifest.get("kernel_environment"),
+        # an endpoint's kernels are the server's: the client's variables say nothing about them
+        "kernel_environment": None if engine.get("kind") == "endpoint" else manifest.get("kernel_environment"),
         "datasets": sorted(run.outputs["dataset"].dropna().unique().tolist()),
         "outputs": len(run.outputs),
         "max_new_tokens": run.max_new_tokens,

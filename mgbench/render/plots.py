@@ -119,6 +119,9 @@ def compare_plots(table: pd.DataFrame, out_dir: Path) -> None:
     plt.close(fig)
 
 
+STACKED_PAIRS = 8  # pairs of runs a margins histogram tells apart by colour
+
+
 def divergence_margins(pairs: list[dict], path: Path) -> None:
     """`mgbench diff`: the solo margins at each first divergence (both sides), stacked by pair of
     runs. Near 0: a near-tie that numeric noise broke the other way; wide: the logits really moved."""
@@ -129,6 +132,11 @@ def divergence_margins(pairs: list[dict], path: Path) -> None:
         if values:
             stacks.append(np.asarray(values, dtype=float))
             labels.append(f"{pair['run_a']} vs {pair['run_b']} ({len(values)})")
+    if len(stacks) > STACKED_PAIRS:  # more pairs than a legend tells apart: one bar per bin
+        stacks, labels = (
+            [np.concatenate(stacks)],
+            [f"{len(stacks)} diverging pairs of runs ({sum(len(s) for s in stacks)})"],
+        )
     if stacks:
         top = max(float(np.max(s)) for s in stacks)
         ax.hist(stacks, bins=np.linspace(0, max(top, 1e-3), 40), stacked=True, label=labels)
