@@ -176,17 +176,23 @@ def run_child(command: list[str], timeout: float, log_dir: Path) -> tuple[int, i
         process = subprocess.Popen(command, stdout=out, stderr=err, cwd=CHECKOUT)
     pid = process.pid
     deadline = start + timeout
-    while True:
-        waited, status, usage = os.wait4(pid, os.WNOHANG)
-        if waited == pid:
-            break
-        if time.perf_counter() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            waited, status, usage = os.wait4(pid, 0)
-            process.returncode = os.waitstatus_to_exitcode(status)
-            wall = time.perf_counter() - start
-            return 124, usage.ru_maxrss * 1024, wall, f"timed out after {timeout:.0f} s\n" + tail(stderr_path)
-        time.sleep(0.05)
+    try:
+        while True:
+            waited, status, usage = os.wait4(pid, os.WNOHANG)
+            if waited == pid:
+                break
+            if time.perf_counter() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                waited, status, usage = os.wait4(pid, 0)
+                process.returncode = os.waitstatus_to_exitcode(status)
+                wall = time.perf_counter() - start
+                return 124, usage.ru_maxrss * 1024, wall, f"timed out after {timeout:.0f} s\n" + tail(stderr_path)
+            time.sleep(0.05)
+    except KeyboardInterrupt:  # Ctrl-C: the child goes too
+        os.kill(pid, signal.SIGKILL)
+        os.wait4(pid, 0)
+        process.returncode = -signal.SIGKILL
+        raise
     wall = time.perf_counter() - start
     process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, by wait4
     return process.returncode, usage.ru_maxrss * 1024, wall, tail(stderr_path)

@@ -176,16 +176,22 @@ def run_step(step: Step, timeout: float, logs: Path) -> None:
         process = subprocess.Popen(command, stdout=out, stderr=err, cwd=CHECKOUT)
     deadline = start + timeout
     timed_out = False
-    while True:
-        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
-        if pid == process.pid:
-            break
-        if time.perf_counter() > deadline:
-            os.kill(process.pid, signal.SIGKILL)
-            pid, status, usage = os.wait4(process.pid, 0)
-            timed_out = True
-            break
-        time.sleep(0.1)
+    try:
+        while True:
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+            if pid == process.pid:
+                break
+            if time.perf_counter() > deadline:
+                os.kill(process.pid, signal.SIGKILL)
+                pid, status, usage = os.wait4(process.pid, 0)
+                timed_out = True
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:  # Ctrl-C: the child goes too
+        os.kill(process.pid, signal.SIGKILL)
+        os.wait4(process.pid, 0)
+        process.returncode = -signal.SIGKILL
+        raise
     process.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4
     step.wall_s = time.perf_counter() - start
     step.rss_bytes = usage.ru_maxrss * 1024
@@ -482,6 +488,17 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
+    from mgbench.assets import models
+    from mgbench.errors import UserError
+
+    for alias in args.also:
+        if alias in models.REGISTRY or Path(alias).expanduser().is_dir():
+            continue
+        try:
+            models.resolve_source(alias)
+        except UserError as exc:
+            print(f"gpu_check: --also {alias}: {exc}", file=sys.stderr)
+            return 2
     out = (args.out or Path("reports") / f"gpu-check-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     if out.exists() and any(out.iterdir()):
         print(f"gpu_check: --out {out} is not empty; give a new folder", file=sys.stderr)

@@ -87,3 +87,13 @@ def test_bench_memory_reports_a_failing_run_and_exits_nonzero(tmp_path):
     )
     assert done.returncode == 1
     assert "mgbench flips failed (exit 2)" in done.stderr and "no-such-dataset" in done.stderr
+
+
+def test_gpu_check_refuses_an_unknown_also_alias_before_running_anything(tmp_path):
+    done = run_script(
+        GPU_CHECK, "--device", "cpu", "--also", "no-such-model", "--out", str(tmp_path / "o"), timeout=120
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "no-such-model" in lines[0], done.stderr
+    assert not (tmp_path / "o").exists()
