@@ -49,7 +49,7 @@ def diff(
 
         mgbench diff runs/base runs/new --require-identical 1.0 --junit diff.xml
 
-        mgbench diff runs/fleet/replica-0 runs/fleet/replica-1 runs/fleet/replica-2 --out runs/d
+        mgbench diff runs/fleet/replica-0 runs/fleet/replica-1 --out runs/d
 
         mgbench report runs/d
     """

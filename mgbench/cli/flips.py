@@ -146,7 +146,8 @@ def flips(
 
         # replicas of one model: one run each, then their outputs compared
 
-        mgbench flips --endpoint http://node1:8000/v1,http://node2:8000/v1 --limit 32 --out runs/fleet
+        mgbench flips --endpoint http://node1:8000/v1,http://node2:8000/v1 \\
+            --limit 32 --out runs/fleet
 
         mgbench diff runs/fleet/replica-0 runs/fleet/replica-1
     """
