@@ -261,7 +261,8 @@ def _int_or_none(value) -> int | None:
 
 
 def divergence_record(row: dict) -> dict:
-    keys = ("request", "dataset", "request_id_a", "request_id_b", "batch_size", "variant", "first_divergence")
+    """A divergence in the summary: which request, at which step (the first divergence), what each side had there."""
+    keys = ("request", "dataset", "request_id_a", "request_id_b", "batch_size", "variant")
     return {
         **{key: row[key] for key in keys},
         "step": row["first_divergence"],
