@@ -12,7 +12,7 @@ one warm-up pass; prefill is done alone once and shared, so timings cover the de
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
@@ -26,12 +26,12 @@ from mgbench.assets import datasets
 from mgbench.engines.inprocess.audit import alone_or_stop, eos_token_ids, pad_token_id
 from mgbench.engines.inprocess.batch_invariant import InvariancePlan, decoding_mode
 from mgbench.engines.inprocess.kernels import Kernels
-from mgbench.engines.inprocess.policies import MarginGate, PolicySpec
-from mgbench.engines.inprocess.replay import REPLAY_CHUNK, ReplaySpec, run_replay_verified
+from mgbench.engines.inprocess.policies import MarginGate
+from mgbench.engines.inprocess.replay import REPLAY_CHUNK, run_replay_verified
 from mgbench.engines.inprocess.runners import run_free, run_solo, synchronize
 from mgbench.engines.inprocess.step import StepContext
 from mgbench.engines.inprocess.stopwatch import Stopwatch
-from mgbench.errors import UserError
+from mgbench.pipelines.compare_configs import Config, Decoded, config_reference, configurations, replay_specs  # noqa: F401 (re-export)
 from mgbench.pipelines.prepared import PreparedRun, prepare
 from mgbench.pipelines.probe import fixed_order_probe_for_run, fixed_order_summary, probe_for_run, run_summary
 from mgbench.pipelines.session import finish_output, load_with_status, warn_split
@@ -40,78 +40,10 @@ from mgbench.render.console import console, err_console, progress_bar
 from mgbench.runs import rundir, schema
 from mgbench.runs.groups import ProgressFn, order_requests
 from mgbench.runs.oom import run_shrinking_on_oom
-from mgbench.runs.options import RunOptions, reference_of
+from mgbench.runs.options import RunOptions
 from mgbench.runs.placement import Placement
 
 BREAKDOWN = ("gate", "decision_sync", "reference_forward", "cache_ops")
-
-
-WINDOWS = (16, 64)  # LLM-42's window sizes compared (64 is its default)
-
-
-@dataclass
-class _Decoded:
-    """One configuration's figures in one repeat, summed over the batches decoded so far."""
-
-    seconds: float = 0.0
-    triggers: int = 0
-    repairs: int = 0
-    outputs: dict = field(default_factory=dict)
-    counts: dict = field(default_factory=lambda: {"replayed": 0, "discarded": 0})
-    per_sequence: dict = field(default_factory=dict)
-
-    def add(self, seconds, outputs, triggers, repairs, counts) -> None:
-        self.seconds += seconds
-        self.triggers += triggers
-        self.repairs += repairs
-        self.outputs.update(outputs)
-        self.per_sequence.update(counts.pop("per_sequence", {}))
-        for key, value in counts.items():
-            self.counts[key] = self.counts.get(key, 0) + value
-
-
-@dataclass(frozen=True)
-class Config:
-    name: str
-    spec: PolicySpec | None  # None: a baseline (solo, batch-invariant) or a replay-verified policy
-    replay: ReplaySpec | None = None  # verification by replay against the fixed-order reference
-
-
-def replay_specs(tau: float, unit: str) -> list[ReplaySpec]:
-    """LLM-42's window at two sizes, MarginGate on the same reference with and without the end
-    check, and the same stock decoding unverified (what the replays' increments are made of)."""
-    return [
-        ReplaySpec("none"),
-        *(ReplaySpec("window", window=w) for w in WINDOWS),
-        ReplaySpec("margin", tau=tau, unit=unit),
-        ReplaySpec("margin", tau=tau, unit=unit, end_check=False),
-    ]
-
-
-def configurations(tau: float, unit: str, only: tuple[str, ...] | None = None) -> list[Config]:
-    """Every configuration, or (`only`) `none` and those whose names start with one of the prefixes."""
-    configs = [Config("none", PolicySpec("none"))]
-    for kind in ("always", "margin", "oracle"):
-        for repair in ("column", "exact"):
-            spec = PolicySpec(kind, repair, tau if kind == "margin" else None, unit)
-            configs.append(Config(spec.label, spec))
-    configs += [Config("fixed-order kernels", None)]
-    configs += [Config(spec.label, None, spec) for spec in replay_specs(tau, unit)]
-    configs += [Config("batch-invariant", None), Config("solo", None)]
-    if only is None:
-        return configs
-    unmatched = [p for p in only if not any(c.name.startswith(p) for c in configs)]
-    if unmatched:
-        names = ", ".join(c.name for c in configs)
-        raise UserError(f"--only {','.join(unmatched)}: no configuration starts with it (they are: {names})")
-    chosen = [c for c in configs if c.name == "none" or c.name.startswith(only)]
-    if any(c.replay is not None for c in chosen):  # the replays' own base: the same decoding unverified
-        chosen = [c for c in configs if c in chosen or c.name == "none (start-aligned)"]
-    return chosen
-
-
-def config_reference(config: Config) -> str:
-    return reference_of("fixed-order" if config.name == "fixed-order kernels" or config.replay else "stock")
 
 
 def _decode_config(
@@ -234,7 +166,7 @@ def time_configurations(
     # One batch's solo references at a time (memory bounded by the batch): every configuration
     # and repeat decodes that batch before the next, and each configuration's figures are summed
     # over the batches.
-    decoded = {(repeat, c.name): _Decoded() for repeat in range(repeats) for c in configs}
+    decoded = {(repeat, c.name): Decoded() for repeat in range(repeats) for c in configs}
     references: dict[str, dict] = {"stock solo": {}, "fixed-order solo": {}}
     stopwatches = {c.name: Stopwatch(device) for c in configs if c.spec is not None}
     iterations, extra = 0, {}

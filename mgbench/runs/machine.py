@@ -110,5 +110,22 @@ def matrix_environments(flags: set[str]) -> list[str]:
     ]
 
 
+def machine_facts(device: str) -> dict:
+    """What the figures depend on: the processor, the ISA torch dispatches to, the accelerator."""
+    import torch
+
+    facts = {
+        "cpu": cpu_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "kernel_environment": kernel_environment(),
+    }
+    if torch.device(device).type == "cuda":
+        facts["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return facts
+
+
 if __name__ == "__main__":  # `python -m mgbench.runs.machine`: one kernel pair per line, for the Makefile
     print("\n".join(matrix_environments(cpu_flags())))

@@ -38,7 +38,7 @@ from mgbench.engines.inprocess.cache import clone_layers
 from mgbench.engines.inprocess.decode import RowPrefill, assemble_prefilled, decode_step
 from mgbench.engines.inprocess.metrics import max_abs_diff
 from mgbench.engines.inprocess.runners import row_prefills, synchronize
-from mgbench.runs.machine import cpu_name, kernel_environment
+from mgbench.runs.machine import machine_facts  # noqa: F401 (re-export)
 
 
 @dataclass
@@ -100,21 +100,6 @@ class ProbeReport:
             "findings": [asdict(f) for f in self.findings],
             "seconds": self.seconds,
         }
-
-
-def machine_facts(device: str) -> dict:
-    """What the figures depend on: the processor, the ISA torch dispatches to, the accelerator."""
-    facts = {
-        "cpu": cpu_name(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "device": str(device),
-        "kernel_environment": kernel_environment(),
-    }
-    if torch.device(device).type == "cuda":
-        facts["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return facts
 
 
 def probe_batch(model, prompt: torch.Tensor, rows: int):

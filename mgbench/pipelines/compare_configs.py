@@ -1,0 +1,78 @@
+"""`mgbench compare`'s configurations (what is decoded and against which reference) and the
+per-configuration sums over batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mgbench.engines.inprocess.policies import PolicySpec
+from mgbench.engines.inprocess.replay import ReplaySpec
+from mgbench.errors import UserError
+from mgbench.runs.options import reference_of
+
+WINDOWS = (16, 64)  # LLM-42's window sizes compared (64 is its default)
+
+
+@dataclass
+class Decoded:
+    """One configuration's figures in one repeat, summed over the batches decoded so far."""
+
+    seconds: float = 0.0
+    triggers: int = 0
+    repairs: int = 0
+    outputs: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=lambda: {"replayed": 0, "discarded": 0})
+    per_sequence: dict = field(default_factory=dict)
+
+    def add(self, seconds, outputs, triggers, repairs, counts) -> None:
+        self.seconds += seconds
+        self.triggers += triggers
+        self.repairs += repairs
+        self.outputs.update(outputs)
+        self.per_sequence.update(counts.pop("per_sequence", {}))
+        for key, value in counts.items():
+            self.counts[key] = self.counts.get(key, 0) + value
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    spec: PolicySpec | None  # None: a baseline (solo, batch-invariant) or a replay-verified policy
+    replay: ReplaySpec | None = None  # verification by replay against the fixed-order reference
+
+
+def replay_specs(tau: float, unit: str) -> list[ReplaySpec]:
+    """LLM-42's window at two sizes, MarginGate on the same reference with and without the end
+    check, and the same stock decoding unverified (what the replays' increments are made of)."""
+    return [
+        ReplaySpec("none"),
+        *(ReplaySpec("window", window=w) for w in WINDOWS),
+        ReplaySpec("margin", tau=tau, unit=unit),
+        ReplaySpec("margin", tau=tau, unit=unit, end_check=False),
+    ]
+
+
+def configurations(tau: float, unit: str, only: tuple[str, ...] | None = None) -> list[Config]:
+    """Every configuration, or (`only`) `none` and those whose names start with one of the prefixes."""
+    configs = [Config("none", PolicySpec("none"))]
+    for kind in ("always", "margin", "oracle"):
+        for repair in ("column", "exact"):
+            spec = PolicySpec(kind, repair, tau if kind == "margin" else None, unit)
+            configs.append(Config(spec.label, spec))
+    configs += [Config("fixed-order kernels", None)]
+    configs += [Config(spec.label, None, spec) for spec in replay_specs(tau, unit)]
+    configs += [Config("batch-invariant", None), Config("solo", None)]
+    if only is None:
+        return configs
+    unmatched = [p for p in only if not any(c.name.startswith(p) for c in configs)]
+    if unmatched:
+        names = ", ".join(c.name for c in configs)
+        raise UserError(f"--only {','.join(unmatched)}: no configuration starts with it (they are: {names})")
+    chosen = [c for c in configs if c.name == "none" or c.name.startswith(only)]
+    if any(c.replay is not None for c in chosen):  # the replays' own base: the same decoding unverified
+        chosen = [c for c in configs if c in chosen or c.name == "none (start-aligned)"]
+    return chosen
+
+
+def config_reference(config: Config) -> str:
+    return reference_of("fixed-order" if config.name == "fixed-order kernels" or config.replay else "stock")
