@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pandas as pd
@@ -62,6 +63,17 @@ def test_help_examples_fit_an_80_column_terminal():
             assert len(line.strip()) <= 74, f"{command.callback.__name__}: {line.strip()}"
 
 
+def junit_cases(path: Path) -> tuple[ET.Element, dict[str, ET.Element]]:
+    """A JUnit file read by an XML parser: the testsuite and its test cases by name, with the
+    suite's counts checked against the cases it holds."""
+    suite = ET.parse(path).getroot()
+    assert suite.tag == "testsuite"
+    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    assert int(suite.get("tests")) == len(cases) == len(suite.findall("testcase"))
+    assert int(suite.get("failures")) == sum(case.find("failure") is not None for case in cases.values())
+    return suite, cases
+
+
 def flips_args(folder, out, *extra):
     return [
         "flips",
@@ -105,11 +117,23 @@ def test_thresholds_exit_1_with_a_failing_junit_case(planted_model_dir, base_run
         ),
     )
     assert strict.exit_code == 1, strict.output
-    junit = (tmp_path / "strict.xml").read_text()
-    assert 'failures="0"' not in junit and 'name="batch_size=8"' in junit
     assert "require-determinism needs >= 100.00%" in strict.stderr
-    gated = json.loads((tmp_path / "strict" / "summary.json").read_text())["gate"]
+    strict_summary = json.loads((tmp_path / "strict" / "summary.json").read_text())
+    gated = strict_summary["gate"]
     assert gated["passed"] is False and gated["failures"][0]["by"] == pytest.approx(1 - summary["determinism"])
+    # JUnit: one case per batch size; the case fails with the determinism the run measured there.
+    suite, cases = junit_cases(tmp_path / "strict.xml")
+    (row,) = strict_summary["by_batch_size"]
+    assert (suite.get("name"), list(cases)) == ("mgbench.flips", [f"batch_size={row['batch_size']}"])
+    assert suite.get("tests") == "1" and suite.get("failures") == "1"
+    failure = cases["batch_size=8"].find("failure")
+    determinism = row["identical"] / row["sequences"]
+    assert failure.get("message") == (
+        f"all batch sizes: require-determinism needs >= 100.00%, measured {determinism:.2%} "
+        f"(off by {1 - determinism:.2%})"
+    )
+    assert failure.text.startswith(f"{row['flips']} flips / {row['steps']} steps")
+    assert f"{row['sequences'] - row['identical']}/{row['sequences']} sequences diverged" in failure.text
     # Negative control, clean by construction: the batch-invariant mode runs the planted head per row.
     exact = runner.invoke(
         app,
@@ -124,7 +148,10 @@ def test_thresholds_exit_1_with_a_failing_junit_case(planted_model_dir, base_run
         ),
     )
     assert exact.exit_code == 0, exact.output
-    assert 'failures="0"' in (tmp_path / "exact.xml").read_text()
+    suite, cases = junit_cases(tmp_path / "exact.xml")
+    (row,) = json.loads((tmp_path / "exact" / "summary.json").read_text())["by_batch_size"]
+    assert list(cases) == ["batch_size=8"] and suite.get("failures") == "0" and row["identical"] == row["sequences"]
+    assert cases["batch_size=8"].find("system-out").text.startswith(f"{row['flips']} flips / {row['steps']} steps")
     lenient = runner.invoke(
         app,
         flips_args(
@@ -149,10 +176,17 @@ def test_baseline_of_itself_passes_with_p_1(planted_model_dir, base_run, tmp_pat
         ),
     )
     assert result.exit_code == 0, result.output
-    tests = json.loads(result.stdout)["gate"]["baseline"]["tests"]
+    printed = json.loads(result.stdout)
+    tests = printed["gate"]["baseline"]["tests"]
     assert tests["flip_rate"]["p_value"] == 1.0 and tests["diverged"]["p_value"] == 1.0
     assert tests["flip_rate"]["pairs"] == json.loads((base_run / "summary.json").read_text())["steps"]
-    assert 'name="baseline regression"' in (tmp_path / "j.xml").read_text()
+    # JUnit: a passing case per batch size, then the baseline test with its rates and p-values.
+    suite, cases = junit_cases(tmp_path / "j.xml")
+    sizes = [f"batch_size={r['batch_size']}" for r in printed["by_batch_size"]]
+    assert list(cases) == [*sizes, "baseline regression"] and suite.get("failures") == "0"
+    text = cases["baseline regression"].find("system-out").text
+    for name, test in tests.items():
+        assert f"{name}: {test['rate']:.2%} vs baseline {test['baseline_rate']:.2%}, p = 1" in text
 
 
 def plant_clean_baseline(base_run: Path, target: Path) -> Path:
@@ -228,48 +262,8 @@ def test_verify_baseline_of_itself_passes(planted_model_dir, tmp_path):
     assert other_policy.exit_code == 2 and "policies" in other_policy.stderr
 
 
-def test_every_command_prints_json_and_logs_at_full_width(planted_model_dir, base_run, tmp_path):
-    """--json: the summary alone on stdout. Piped output: no ellipsis, no cut header."""
-    outputs = {
-        "calibrate": ["calibrate", str(base_run), "--out", str(tmp_path / "cal"), "--json"],
-        "probe": ["probe", "--model", str(planted_model_dir), "--rows", "2", "--out", str(tmp_path / "p"), "--json"],
-        "compare": [
-            "compare",
-            "--model",
-            str(planted_model_dir),
-            "--dataset",
-            "gsm8k",
-            "--limit",
-            "2",
-            "--batch-size",
-            "2",
-            "--max-new-tokens",
-            "6",
-            "--repeats",
-            "1",
-            "--threshold",
-            "0.05",
-            "--out",
-            str(tmp_path / "cmp"),
-            "--json",
-        ],
-        "report": ["report", str(base_run), "--out", str(tmp_path / "rep"), "--json"],
-        "models": ["models", "--json"],
-        "datasets": ["datasets", "--json"],
-        "flips": flips_args(planted_model_dir, tmp_path / "f", "--json"),
-    }
-    written = {
-        "probe": tmp_path / "p" / "probe.json",
-        "compare": tmp_path / "cmp" / "summary.json",
-        "flips": tmp_path / "f" / "summary.json",
-    }
-    for name, args in outputs.items():
-        result = runner.invoke(app, args)
-        assert result.exit_code == 0, f"{name}: {result.output}"
-        printed = json.loads(result.stdout)
-        if name in written:  # the summary alone: exactly what the run directory holds
-            assert printed == json.loads(written[name].read_text()), name
-    assert "smollm2-135m" in runner.invoke(app, ["models", "--json"]).stdout
+def test_piped_logs_at_full_width(base_run, tmp_path):
+    """Piped output: no ellipsis, no cut header. (Each command's --json: tests/test_outputs.py.)"""
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     piped = subprocess.run(
         [sys.executable, "-m", "mgbench", "calibrate", str(base_run), "--out", str(tmp_path / "cal2")],
