@@ -2,7 +2,9 @@
 negative control), the oracle triggers exactly on flips, repairs write the reference K/V bitwise."""
 
 import json
+import xml.etree.ElementTree as ET
 
+import pandas as pd
 import pytest
 import torch
 from helpers import plant_near_ties, plant_nudged_head, random_prompts, tiny_llama
@@ -128,13 +130,18 @@ def test_exact_repair_makes_the_row_history_solo_bitwise(flipping_batch):
         policy = PolicySpec("oracle", "exact").build(model, prompts, prefills, solos, STEPS)
         free = run_free(model, prompts, prefills, "alone", PAD_ID, STEPS, set(), policy)
         verifier: ExactVerifier = policy.verifier
-        for row, shadow in enumerate(verifier.shadows):
-            if shadow is None:
-                continue
+        # A row's shadow starts at its first trigger after the prefill (step 0 checks the prefill's
+        # own logits) and is advanced to each later trigger: it exists exactly for the rows the
+        # run records a trigger at step >= 1 for, and has fed the emitted tokens up to the last one.
+        last_trigger = [max((s for s, t in enumerate(row) if t and s > 0), default=None) for row in free.triggered]
+        assert [None if shadow is None else shadow.fed for shadow in verifier.shadows] == last_trigger
+        shadowed = [row for row, shadow in enumerate(verifier.shadows) if shadow is not None]
+        assert shadowed, "the oracle triggers on the planted flips"
+        for row in shadowed:
             # The shadow replayed the emitted prefix with solo steps: its K/V equal the solo run's.
-            n = shadow.fed
-            solo_kv = solo_columns(model, prompts[row], solos[row], n)
-            shadow_kv = cache_ops.columns_of_row(shadow.cache, 0, len(prompts[row]) - 1, n)
+            shadow = verifier.shadows[row]
+            solo_kv = solo_columns(model, prompts[row], solos[row], shadow.fed)
+            shadow_kv = cache_ops.columns_of_row(shadow.cache, 0, len(prompts[row]) - 1, shadow.fed)
             assert torch.equal(shadow_kv, solo_kv)
     assert sum(map(sum, free.repaired)) > 0
 
@@ -166,6 +173,17 @@ def verify_cli(folder, out, *args):
     )
 
 
+def junit_cases(path) -> tuple[ET.Element, dict[str, ET.Element]]:
+    """A JUnit file read by an XML parser: the testsuite and its cases by name, the suite's counts
+    checked against the cases it holds."""
+    suite = ET.parse(path).getroot()
+    assert suite.tag == "testsuite" and suite.get("name") == "mgbench.verify"
+    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    assert int(suite.get("tests")) == len(cases) == len(suite.findall("testcase"))
+    assert int(suite.get("failures")) == sum(case.find("failure") is not None for case in cases.values())
+    return suite, cases
+
+
 def test_cli_exit_codes_and_junit(planted_model_dir, tmp_path):
     tiny_model_dir = planted_model_dir  # every multi-row step flips: the gate must catch it anywhere
     failing = verify_cli(
@@ -179,7 +197,28 @@ def test_cli_exit_codes_and_junit(planted_model_dir, tmp_path):
         str(tmp_path / "none.xml"),
     )
     assert failing.exit_code == 1, failing.output
-    assert 'failures="0"' not in (tmp_path / "none.xml").read_text()
+    # JUnit, read by an XML parser: one case per (policy, dataset, batch size); each case whose
+    # outputs diverged fails with its determinism and lists the diverged requests of the run's table.
+    sequences = pd.read_parquet(tmp_path / "none" / "sequences.parquet")
+    suite, cases = junit_cases(tmp_path / "none.xml")
+    groups = list(sequences.groupby(["batch_size"]))
+    assert (
+        list(cases)
+        == [f"none batch_size={size}" for (size,), _ in groups]
+        == ["none batch_size=3", "none batch_size=6"]
+    )
+    summary = json.loads((tmp_path / "none" / "summary.json").read_text())
+    failing_sizes = [r["batch_size"] for r in summary["by_batch_size"] if r["determinism"] < 1.0]
+    assert int(suite.get("failures")) == len(failing_sizes) > 0
+    for (size,), group in groups:
+        failure = cases[f"none batch_size={size}"].find("failure")
+        assert (failure is not None) == (size in failing_sizes) == (not group["identical"].all())
+        diverged = group[~group["identical"]]
+        listed = ", ".join(f"request {r.request_id} at token {int(r.first_divergence)}" for r in diverged.itertuples())
+        assert failure is None or (
+            failure.get("message") == f"determinism {group['identical'].mean():.2%} < required 100.00%"
+            and failure.text == f"diverged from the solo reference: {listed}"
+        )
     invariant = verify_cli(
         tiny_model_dir,
         tmp_path / "inv",
@@ -206,12 +245,12 @@ def test_cli_exit_codes_and_junit(planted_model_dir, tmp_path):
         "--json",
     )
     assert passing.exit_code == 0, passing.output
-    junit = (tmp_path / "exact.xml").read_text()
-    assert 'tests="2"' in junit and 'failures="0"' in junit
     summary = json.loads(passing.stdout)
     assert summary["passed"] is True and summary["policies"][0]["determinism"] == 1.0
-    import pandas as pd
-
+    suite, cases = junit_cases(tmp_path / "exact.xml")
+    expected = [f"{r['policy']} batch_size={r['batch_size']}" for r in summary["by_batch_size"]]
+    assert list(cases) == expected == ["always/exact batch_size=3", "always/exact batch_size=6"]
+    assert suite.get("failures") == "0" and all(r["determinism"] == 1.0 for r in summary["by_batch_size"])
     steps = pd.read_parquet(tmp_path / "exact" / "steps.parquet")
     assert {"triggered", "repaired", "matches_solo", "margin"} <= set(steps.columns)
     assert steps["repaired"].sum() > 0, "determinism restored by repairs, not 0 flips == 0 flips"
