@@ -2,7 +2,10 @@
 rendering from recorded run directories."""
 
 import json
+import struct
 
+import matplotlib.image
+import numpy as np
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
@@ -124,9 +127,33 @@ def test_compare_harness_excludes_warmup_and_reports_every_config(compare_run_di
         assert by[config]["determinism"] == 1.0
     assert by["always/exact"]["repairs"] > 0 and by["oracle/exact"]["repairs"] > 0, "determinism restored, not 0 == 0"
     assert by["oracle/exact"]["triggers"] == by["oracle/exact"]["repairs"]
-    assert summary["gate_share_of_step"] > 0
-    assert {row["config"] for row in summary["breakdown"]} >= {"always/exact", "margin<0.05/column"}
-    assert (compare_run_dir / "latency_increment.png").stat().st_size > 0
+    # The gate's share of a plain batched step, recomputed: one batch (4 requests at batch size 4)
+    # of full-length outputs, so each plain pass ran max_new_tokens - 1 decode iterations.
+    none = runs[runs["config"] == "none"]
+    assert summary["batch_size"] == summary["sequences"] == 4
+    assert (none["steps"] == none["sequences"] * summary["max_new_tokens"]).all(), "no output ended early"
+    plain_step = none["seconds"].median() / (summary["max_new_tokens"] - 1)
+    assert summary["plain_batched_step_seconds"] == pytest.approx(plain_step)
+    assert summary["gate_seconds_per_step"] > 0
+    assert summary["gate_share_of_step"] == pytest.approx(summary["gate_seconds_per_step"] / plain_step)
+    # The time breakdown: the first repeat's timed sections, of every configuration that has them.
+    breakdown = {row["config"]: row for row in summary["breakdown"]}
+    first = runs[(runs["repeat"] == 0) & runs["t_gate"].notna()].set_index("config")
+    assert set(breakdown) == set(first.index) >= {"none", "always/exact", "margin<0.05/column"}
+    for config, row in breakdown.items():
+        assert row["t_reference_forward"] == pytest.approx(first.loc[config, "t_reference_forward"])
+    for name in ("latency_increment.png", "determinism_vs_triggers.png"):
+        width, height = png_size(compare_run_dir / name)
+        assert 300 <= height <= width <= 4000, (name, width, height)
+        pixels = matplotlib.image.imread(compare_run_dir / name)
+        assert pixels.shape[:2] == (height, width) and pixels.std() > 0, name  # drawn, not blank
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) from the PNG signature and its IHDR chunk."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
+    return struct.unpack(">II", head[16:24])
 
 
 def test_batch_invariant_baseline_is_exact(compare_run_dir):
@@ -167,7 +194,25 @@ def test_report_renders_recorded_runs(compare_run_dir, tmp_path):
     result = runner.invoke(app, ["report", str(compare_run_dir), "--out", str(tmp_path / "report")])
     assert result.exit_code == 0, result.output
     text = (tmp_path / "report" / "report.md").read_text()
-    assert "## compare" in text and "increment reduction" in text
-    assert (tmp_path / "report" / "0-latency_increment.png").is_file()
+    assert text.startswith("# mgbench report\n\n## compare: compare\n")
+    # Each increment reduction, recomputed from compare.parquet: per repeat, increment(always/R) over
+    # increment(margin/R) (both over `none` of that repeat; unmeasurable where MarginGate's is <= 0).
+    by = pd.read_parquet(compare_run_dir / "compare.parquet").set_index(["config", "repeat"])["seconds"]
+    for repair in ("column", "exact"):
+        measured = []
+        for repeat in (0, 1):
+            always, gate = (
+                by[config, repeat] / by["none", repeat] - 1 for config in (f"always/{repair}", f"margin<0.05/{repair}")
+            )
+            measured += [always / gate] if gate > 0 else []
+        line = f"- increment reduction always/{repair} over margin/{repair}: "
+        (shown,) = [x[len(line) :] for x in text.splitlines() if x.startswith(line)]
+        if measured:
+            assert float(shown.removesuffix("x")) == pytest.approx(float(np.median(measured)), rel=6e-4)
+        else:
+            assert shown == "-x"
+    assert (tmp_path / "report" / "0-latency_increment.png").read_bytes() == (
+        compare_run_dir / "latency_increment.png"
+    ).read_bytes()
     bad = runner.invoke(app, ["report", str(tmp_path), "--out", str(tmp_path / "r2")])
     assert bad.exit_code == 2 and "not an mgbench run directory" in bad.stderr
