@@ -206,6 +206,125 @@ def test_corrupt_and_foreign_parquet(tmp_path, command):
         assert_bad(tmp_path, ["report", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")], "not an mgbench run")
 
 
+ENDPOINT = ["--endpoint", "http://127.0.0.1:9/v1"]  # never contacted: the options are refused first
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["flips", *FAST["flips"], "--alpha", "0"], "--alpha 0.0: use a significance level in (0, 1)"),
+        (["verify", *FAST["verify"], "--alpha", "1.5"], "--alpha 1.5: use a significance level in (0, 1)"),
+        (["calibrate", *FAST["calibrate"], "--confidence", "1"], "--confidence 1.0: use a level in [0.5, 1)"),
+        (["calibrate", *FAST["calibrate"], "--confidence", "0.2"], "--confidence 0.2: use a level in [0.5, 1)"),
+        (["compare", *FAST["compare"], "--repeats", "0"], "--repeats must be at least 1 (got 0)"),
+        (["flips", *FAST["flips"], *ENDPOINT, "--top-logprobs", "1"], "--top-logprobs 1: the margin needs the top 2"),
+        (["flips", *FAST["flips"], *ENDPOINT, "--top-logprobs", "-3"], "--top-logprobs -3: the margin needs"),
+        (["flips", *FAST["flips"], *ENDPOINT, "--request-timeout", "0"], "--request-timeout 0.0: use a positive"),
+        (["flips", *FAST["flips"], *ENDPOINT, "--request-timeout", "-5"], "--request-timeout -5.0: use a positive"),
+        (["flips", *FAST["flips"], *ENDPOINT, "--request-timeout", "nan"], "--request-timeout nan: use a positive"),
+        (["flips", *FAST["flips"], "--top-logprobs", "5"], "--top-logprobs only apply with --endpoint URL"),
+        (["flips", *FAST["flips"], "--endpoint", "ftp://host/v1"], "give the server's base URL"),
+        (["flips", *FAST["flips"], *ENDPOINT, "--kernels", "fixed-order"], "cannot apply to --endpoint"),
+        (["verify", *FAST["verify"], "--policy", "sometimes"], "--policy 'sometimes': choose from none, always"),
+        (["verify", *FAST["verify"], "--policy", ","], "--policy and --repair need at least one value each"),
+        (["verify", "--limit", "2", "--policy", "margin"], "--policy margin needs --threshold TAU or --threshold-from"),
+        (["verify", *FAST["verify"], "--repair", "row"], "--repair 'row': choose from"),
+        (["verify", *FAST["verify"], "--threshold-unit", "bits"], "--threshold-unit 'bits': choose logit or ulp"),
+        (["verify", *FAST["verify"], "--threshold-from", "c.json"], "give --threshold or --threshold-from, not both"),
+        (["compare", *FAST["compare"], "--threshold-from", "c.json"], "give --threshold or --threshold-from, not both"),
+        (["verify", *FAST["verify"], "--require-determinism", "1.5"], "--require-determinism 1.5: use a fraction"),
+        (["flips", *FAST["flips"], "--max-flip-rate", "-0.1"], "--max-flip-rate -0.1: use a fraction in [0, 1]"),
+        (["flips", *FAST["flips"], "--baseline", "nowhere"], "not a finished mgbench run directory"),
+        (["flips", *FAST["flips"], "--batch-sizes", ","], "--batch-sizes is empty"),
+        (["verify", *FAST["verify"], "--batch-sizes", ""], "--batch-sizes is empty"),
+        (["calibrate", *FAST["calibrate"], "--batch-sizes", " , "], "--batch-sizes is empty"),
+        (["flips", *FAST["flips"], "--batch-sizes", "2,4,2"], "--batch-sizes repeats a value: 2, 4, 2"),
+        (["verify", *FAST["verify"], "--batch-sizes", "4,4"], "--batch-sizes repeats a value: 4, 4"),
+        (["flips", *FAST["flips"], "--device", "gpu"], "--device 'gpu': use auto, cpu, cuda or cuda:N"),
+        (["probe", "--device", "cuda:x", "--rows", "2"], "--device 'cuda:x': use auto, cpu, cuda or cuda:N"),
+        (["flips", *FAST["flips"], "--attn", "flash"], "--attn 'flash': choose one of sdpa, eager"),
+        (["flips", *FAST["flips"], "--kernels", "fast"], "--kernels 'fast': choose one of stock, fixed-order"),
+        (["flips", *FAST["flips"], "--tp-plan", "rows"], "--tp-plan 'rows': the only plan is auto"),
+        (["flips", *FAST["flips"], "--batch-invariant", "--prefill", "batched"], "drop --prefill batched"),
+        (["flips", *FAST["flips"], "--batch-invariant", "--kernels", "fixed-order"], "choose one"),
+        (["verify", *FAST["verify"], "--kernels", "fixed-order"], "--kernels fixed-order verifies with --policy none"),
+        (["calibrate", *FAST["calibrate"], "--safety", "x0.5"], "--safety 'x0.5': use xF with F >= 1"),
+        (["calibrate", *FAST["calibrate"], "--unit", "bits"], "--unit 'bits': choose one of logit, ulp"),
+        (["calibrate", *FAST["calibrate"], "--transfer", "no-such-dataset"], "unknown dataset 'no-such-dataset'"),
+        (["calibrate", *FAST["calibrate"], "--transfer", "gsm8k,nowhere/"], "unknown dataset 'nowhere/'"),
+        (["compare", *FAST["compare"], "--only", " , "], "--only is empty"),
+        (["probe", "--rows", "1"], "--rows must be at least 2 (got 1)"),
+        (["diff", "one-run"], "give two run directories or more to compare"),
+        (["diff", "a", "b", "--show", "-1"], "--show -1: a count of divergences, 0 or more"),
+        (["diff", "a", "b", "--require-identical", "1.5"], "--require-identical 1.5: a share between 0 and 1"),
+        # Rich markup and emoji codes in a value are printed as given, not styled away.
+        (["flips", "--model", "no-[bold]such[/]:x:", *FAST["flips"]], "cannot load model 'no-[bold]such[/]:x:'"),
+    ],
+)
+def test_bad_option_value(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)  # relative paths (c.json, nowhere) name nothing there
+    assert_bad(tmp_path, [*args, "--out", str(tmp_path / "o")], message)
+
+
+@pytest.mark.parametrize("command", ("flips", "verify", "diff"))
+@pytest.mark.parametrize("where,message", [("a-file/x.xml", "a-file is a file"), (".", "is a directory")])
+def test_unwritable_junit_is_refused_before_the_run(tmp_path, command, where, message):
+    (tmp_path / "a-file").write_text("x")
+    args = ["diff", "a", "b"] if command == "diff" else [command, *FAST[command]]
+    assert_bad(tmp_path, [*args, "--junit", str(tmp_path / where), "--out", str(tmp_path / "o")], message)
+
+
+def test_transfer_run_that_is_not_one_is_refused_before_recording(tmp_path):
+    (tmp_path / "empty-run").mkdir()
+    assert_bad(
+        tmp_path,
+        ["calibrate", *FAST["calibrate"], "--transfer", str(tmp_path / "empty-run"), "--out", str(tmp_path / "o")],
+        "is not a run directory (no steps.parquet)",
+    )
+
+
+@pytest.mark.parametrize("command", ("flips", "verify"))
+def test_cuda_asked_where_there_is_none(tmp_path, tiny_model_dir, command):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert_bad(
+        tmp_path,
+        [command, "--model", str(tiny_model_dir), *FAST[command], "--device", "cuda", "--out", str(tmp_path / "o")],
+        "--device cuda: CUDA is not available on this machine; use --device cpu",
+    )
+
+
+def test_a_second_writer_on_a_live_run_is_refused(tmp_path, tiny_model_dir):
+    """A real run is stopped (SIGSTOP) once it holds its run directory (its staging folder's lock is
+    taken before run.json is written); a second run on the same --out is refused in one line and
+    changes nothing, the first run's staging folder included."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = ["flips", "--model", str(tiny_model_dir), "--dataset", "gsm8k", "--limit", "2", "--batch-size", "2"]
+    args += ["--max-new-tokens", "4", "--out", str(tmp_path / "o")]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "mgbench", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        record = tmp_path / ".o.partial" / "run.json"
+        deadline = time.monotonic() + 300
+        while not record.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(first.pid, signal.SIGSTOP)
+        assert record.exists() and not (tmp_path / "o").exists(), "the first run was not stopped while writing"
+        assert_bad(tmp_path, args, "another mgbench process is writing")
+    finally:
+        first.kill()
+        first.communicate(timeout=60)
+    assert record.exists()  # the refused writer left the live run's staging folder alone
+
+
 def test_debug_shows_the_traceback(tmp_path):
     result = runner.invoke(app, ["flips", "--model", "no-such-model", "--debug", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "Traceback" in result.stderr and "unknown model" in result.stderr

@@ -27,6 +27,22 @@ from mgbench.cli.options import (
 from mgbench.runs.options import RunOptions, parse_batch_sizes
 
 
+def check_transfer(items: list[str]) -> None:
+    """Each --transfer item readable before any trace is recorded: a run directory (or
+    steps.parquet) by its Parquet footers, a dataset by its config and data file."""
+    from mgbench.assets import datasets
+    from mgbench.runs import scan
+
+    for item in items:
+        path = Path(item)
+        if path.is_dir() or path.suffix == ".parquet":
+            scan.file_schemas(scan.steps_files(path))
+        else:
+            config = datasets.load_config(item)
+            if config.kind != "hub":
+                datasets.data_file(config)
+
+
 def calibrate(
     runs: Optional[list[Path]] = typer.Argument(
         None, help="flips run directories to calibrate on (no model is loaded)."
@@ -95,6 +111,7 @@ def calibrate(
         )
         options = CalibrateOptions(SafetyRule.parse(safety), unit, confidence)
         transfer_items = [item.strip() for item in (transfer or "").split(",") if item.strip()]
+        check_transfer(transfer_items)
         target = out or default_out("calibrate", model, "+".join(str(r) for r in runs) if runs else dataset)
         from mgbench.pipelines.calibrate import run_calibrate  # loads torch: after every input check
 

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from mgbench.cli.exits import user_errors
-from mgbench.cli.options import DebugOpt, JsonOpt
+from mgbench.cli.options import DebugOpt, JsonOpt, check_output_file
 from mgbench.errors import UserError
 
 
@@ -60,6 +60,7 @@ def diff(
             raise UserError(f"--require-identical {require_identical}: a share between 0 and 1 (e.g. 1.0)")
         if show < 0:
             raise UserError(f"--show {show}: a count of divergences, 0 or more")
+        check_output_file(junit, "--junit")
         from mgbench.analysis.runs_diff import BATCHED, SOLO
         from mgbench.pipelines.diff import run_diff  # pandas and pyarrow: after the input checks
 

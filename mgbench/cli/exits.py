@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import typer
+from rich.markup import escape
 
 from mgbench.errors import NothingToDo, UserError
 from mgbench.render.console import err_console
@@ -17,12 +18,13 @@ def user_errors(debug: bool):
     try:
         yield
     except NothingToDo as exc:
-        err_console.print(f"[green]done:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[green]done:[/] {escape(str(exc))}", highlight=False, soft_wrap=True, emoji=False)
         raise typer.Exit(0) from None
     except UserError as exc:
         if debug:
             err_console.print_exception()
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        # The message as written: a path or value holding [brackets] or :name: is not rich markup or an emoji.
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True, emoji=False)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
         err_console.print(

@@ -32,6 +32,7 @@ from mgbench.cli.options import (
     ShardOpt,
     SortOpt,
     TpPlanOpt,
+    check_output_file,
     default_out,
 )
 from mgbench.engines.endpoint.client import EndpointOptions
@@ -189,6 +190,7 @@ def flips(
             kernels=kernels,
         )
         spec = GateSpec(Thresholds(require_determinism, max_flip_rate), baseline, alpha)
+        check_output_file(junit, "--junit")
         placement = Placement.resolve(shard, resume, tp_plan, out)
         target = out or default_out("flips", model, dataset)
         if len(urls) > 1:  # replicas of one served model: one run each, OUT/replica-I

@@ -4,12 +4,14 @@ default run directory."""
 from __future__ import annotations
 
 import re
+import tempfile
 from datetime import datetime
 from pathlib import Path
 
 import typer
 
 from mgbench.assets.models import DEFAULT_MODEL
+from mgbench.errors import UserError
 
 
 def slug(text: str) -> str:
@@ -21,6 +23,26 @@ def default_out(command: str, model: str, dataset: str) -> Path:
     """reports/COMMAND-MODEL-DATASET-TIME/: where a run goes without --out."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("reports") / f"{command}-{slug(model)}-{slug(dataset)}-{stamp}"
+
+
+def check_output_file(path: Path | None, option: str) -> None:
+    """An output file (--junit) refused before any decoding when it cannot be written there; writes
+    nothing (its missing folders are made when it is written)."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise UserError(f"{option} {path} is a directory; give a file name")
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"{option} {path}: {folder} is a file; choose a writable directory")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()  # a real write, unnamed: nothing is left behind
+    except OSError as exc:
+        raise UserError(
+            f"{option} {path}: cannot write in {folder} ({exc.strerror}); choose a writable directory"
+        ) from exc
 
 
 ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias (`mgbench models`), local folder or hub id.")

@@ -29,6 +29,7 @@ from mgbench.cli.options import (
     ShardOpt,
     SortOpt,
     TpPlanOpt,
+    check_output_file,
     default_out,
 )
 from mgbench.errors import UserError
@@ -148,6 +149,7 @@ def verify(
         if require_determinism is not None and not 0 <= require_determinism <= 1:
             raise UserError(f"--require-determinism {require_determinism}: use a fraction in [0, 1]")
         gate_spec = GateSpec(Thresholds(), baseline, alpha)
+        check_output_file(junit, "--junit")
         placement = Placement.resolve(shard, resume, tp_plan, out)
         passed = run_verify(
             options,

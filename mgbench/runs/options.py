@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from mgbench.assets.models import ATTN_IMPLEMENTATIONS, DEFAULT_MODEL, DTYPES
@@ -14,6 +15,9 @@ PREFILL_MODES = ("alone", "batched")
 # per-row reduction order is fixed by construction (`fixed-order`; the reference is then solo
 # decoding through them). Listed here, below the engines, so options validate without torch.
 KERNEL_SETS = ("stock", "fixed-order")
+# --device: checked by its form here (torch answers anything else with a traceback); whether CUDA is
+# there is checked when the model loads.
+DEVICE_FORM = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
 def reference_of(kernels: str) -> str:
@@ -58,6 +62,8 @@ class RunOptions:
             raise UserError(f"--limit must be at least 1 (got {self.limit})")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be at least 1 (got {self.max_new_tokens})")
+        if not DEVICE_FORM.fullmatch(self.device):
+            raise UserError(f"--device {self.device!r}: use auto, cpu, cuda or cuda:N")
         if self.prefill not in PREFILL_MODES:
             raise UserError(f"--prefill {self.prefill!r}: choose one of {', '.join(PREFILL_MODES)}")
         if self.dtype not in DTYPES:
