@@ -188,22 +188,47 @@ def test_out_is_a_file(tmp_path):
     assert_bad(tmp_path, ["flips", *FAST["flips"], "--out", str(tmp_path / "a-file")], "is a file")
 
 
+# A flips summary with every figure report.md shows: the report then reaches the steps table.
+FLIPS_SUMMARY = {
+    "steps": 4,
+    "flips": 0,
+    "flip_rate": 0.0,
+    "sequences": 1,
+    "sequences_diverged": 0,
+    "determinism": 1.0,
+    "solo_tokens_per_s": 1.0,
+    "batched_tokens_per_s": 1.0,
+    "margin_logit_quantiles_flip": {},
+    "margin_logit_quantiles_non_flip": {"q50": 1.0},
+}
+
+
 @pytest.mark.parametrize("command", ["calibrate", "report"])
-def test_corrupt_and_foreign_parquet(tmp_path, command):
-    corrupt = tmp_path / "corrupt"
-    corrupt.mkdir()
-    (corrupt / "steps.parquet").write_bytes(b"PAR1 this is not parquet")
-    (corrupt / "manifest.json").write_text(json.dumps({"command": "flips"}))
-    (corrupt / "summary.json").write_text(json.dumps({}))
-    foreign = tmp_path / "foreign"
-    foreign.mkdir()
-    pd.DataFrame({"a": np.arange(3)}).to_parquet(foreign / "steps.parquet")
-    (foreign / "manifest.json").write_text(json.dumps({"command": "flips"}))
-    if command == "calibrate":
-        assert_bad(tmp_path, ["calibrate", str(corrupt), "--out", str(tmp_path / "o")], "not a readable Parquet file")
-        assert_bad(tmp_path, ["calibrate", str(foreign), "--out", str(tmp_path / "o")], "not written by mgbench")
-    else:
-        assert_bad(tmp_path, ["report", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")], "not an mgbench run")
+@pytest.mark.parametrize(
+    "folder,messages",
+    [  # what calibrate (it reads only the steps table) and report say
+        ("corrupt", ("not a readable Parquet file", "not a readable Parquet file")),
+        ("foreign", ("not written by mgbench", "not written by mgbench")),
+        ("no-summary", ("not written by mgbench", "summary.json: cannot read")),
+        ("empty-summary", ("not written by mgbench", "a run document lacks 'steps'")),
+        ("nowhere", ("does not exist", "not an mgbench run directory")),
+    ],
+)
+def test_corrupt_and_foreign_runs(tmp_path, command, folder, messages):
+    run = tmp_path / folder
+    if folder != "nowhere":
+        run.mkdir()
+        (run / "manifest.json").write_text(json.dumps({"command": "flips"}))
+        if folder == "corrupt":
+            (run / "steps.parquet").write_bytes(b"PAR1 this is not parquet")
+        else:
+            pd.DataFrame({"a": np.arange(3)}).to_parquet(run / "steps.parquet")
+        if folder != "no-summary":
+            (run / "summary.json").write_text(json.dumps({} if folder == "empty-summary" else FLIPS_SUMMARY))
+    # report: an out folder two levels deep, neither of which a failed report leaves behind.
+    out = tmp_path / "new" / "o" if command == "report" else tmp_path / "o"
+    message = messages[0] if command == "calibrate" else messages[1]
+    assert_bad(tmp_path, [command, str(run), "--out", str(out)], message)
 
 
 ENDPOINT = ["--endpoint", "http://127.0.0.1:9/v1"]  # never contacted: the options are refused first

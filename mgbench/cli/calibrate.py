@@ -24,6 +24,7 @@ from mgbench.cli.options import (
     SortOpt,
     default_out,
 )
+from mgbench.errors import UserError
 from mgbench.runs.options import RunOptions, parse_batch_sizes
 
 
@@ -112,6 +113,9 @@ def calibrate(
         options = CalibrateOptions(SafetyRule.parse(safety), unit, confidence)
         transfer_items = [item.strip() for item in (transfer or "").split(",") if item.strip()]
         check_transfer(transfer_items)
+        for run in runs or []:  # else the pipeline would take a missing folder's name for a dataset's
+            if not run.exists():
+                raise UserError(f"{run} does not exist: give the flips run directories to calibrate on")
         target = out or default_out("calibrate", model, "+".join(str(r) for r in runs) if runs else dataset)
         from mgbench.pipelines.calibrate import run_calibrate  # loads torch: after every input check
 

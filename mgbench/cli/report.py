@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -11,6 +12,7 @@ import typer
 
 from mgbench.cli.exits import user_errors
 from mgbench.cli.options import DebugOpt
+from mgbench.errors import UserError
 from mgbench.render.console import console
 from mgbench.render.markdown import render
 
@@ -33,7 +35,21 @@ def report_command(
     """
     with user_errors(debug):
         target = out or Path("reports") / f"report-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-        path = render(list(runs), target)
+        first_made = target  # the outermost folder this report creates: removed again if it fails
+        while not first_made.parent.exists() and first_made.parent != first_made:
+            first_made = first_made.parent
+        made = not first_made.exists()
+        try:
+            path = render(list(runs), target)
+        except BaseException as exc:
+            if made:
+                shutil.rmtree(first_made, ignore_errors=True)
+            if isinstance(exc, (KeyError, TypeError)):  # a run document without what its section reads
+                raise UserError(
+                    f"cannot report on {', '.join(map(str, runs))}: a run document lacks {exc} (an unfinished "
+                    "run, or one written by another mgbench version)"
+                ) from exc
+            raise
     if json_out:
         print(json.dumps({"report": str(path), "runs": [str(r) for r in runs]}, indent=2))
     else:
