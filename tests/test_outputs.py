@@ -239,6 +239,7 @@ def tables(lines: list[str]) -> list[list[dict[str, str]]]:
         if line.startswith("|"):
             block.append([c.strip() for c in line.strip().strip("|").split("|")])
         elif block:
+            assert all(len(row) == len(block[0]) for row in block[1:]), f"a row's cells do not match {block[0]}"
             headers = []
             for h in block[0]:
                 headers.append(h if h not in headers else f"{h} 2")
@@ -301,6 +302,10 @@ def test_report_flips_section_recomputed_from_the_steps_table(runs, report):
     assert shown(row["flip rate"], flips / len(steps))
     assert value(row["sequences"]) == len(sequences) and value(row["diverged"]) == int((~sequences["identical"]).sum())
     assert shown(row["determinism"], sequences["identical"].mean())
+    summary = runs["flips"]  # timings: as the summary holds them; in process, solo is decoded once
+    assert "solo_repeat" not in summary and row["solo twice"] == "-"
+    assert shown(row["solo tok/s"], summary["solo_tokens_per_s"])
+    assert shown(row["batched tok/s"], summary["batched_tokens_per_s"])
     margins = line_with(report["flips"], "Batched margin at flips (logit)")
     at_flips, elsewhere = steps.loc[steps["flipped"], "margin"], steps.loc[~steps["flipped"], "margin"]
     median, top, other = numbers_in(margins)

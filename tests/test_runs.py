@@ -181,7 +181,17 @@ def test_two_torchrun_ranks_merge_into_the_one_process_run(reference, tiny_model
     assert calibrated.exit_code == 0, calibrated.output
     document = json.loads((tmp_path / "cal" / "calibration.json").read_text())
     assert document["steps"] == one["steps"] and document["flips"] == one["flips"]
-    assert runner.invoke(app, ["report", str(out), "--out", str(tmp_path / "report")]).exit_code == 0
+    # report.md of the sharded run shows the one-process run's figures (all but the throughput).
+    tables = {}
+    for run in (reference, out):
+        invoke(["report", str(run), "--out", str(tmp_path / f"report-{run.name}")])
+        text = (tmp_path / f"report-{run.name}" / "report.md").read_text()
+        header, _, row = [line for line in text.splitlines() if line.startswith("|")][:3]
+        tables[run] = dict(zip(header.split(" | "), row.split(" | ")))
+    assert tables[reference].keys() == tables[out].keys() >= {"steps", "flips", "flip rate", "determinism"}
+    figures = [k for k in tables[reference] if "tok/s" not in k]
+    assert [tables[out][k] for k in figures] == [tables[reference][k] for k in figures]
+    assert tables[out]["steps"] == str(one["steps"]) and tables[out]["flips"] == str(one["flips"])
 
 
 def test_incomplete_sharded_run_is_refused_by_readers(tiny_model_dir, tmp_path):

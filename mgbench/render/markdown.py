@@ -67,6 +67,7 @@ def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
                 _pct(s["determinism"]),
                 _pct(s.get("drift_share")),
                 _num(s.get("max_logprob_drift")),
+                solo_repeat_text(s),
                 _num(s["solo_tokens_per_s"]),
                 _num(s["batched_tokens_per_s"]),
             ]
