@@ -2,6 +2,7 @@
 short modules, and an analysis layer that never loads torch, a model or an engine."""
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -143,8 +144,44 @@ def test_analysis_loads_no_torch_model_or_engine():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def test_help_loads_no_torch():
-    # `mgbench --help` and every input error answer before torch is imported.
-    code = "import sys, mgbench.cli\nprint('torch' in sys.modules)\n"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+HELP_AND_EARLY_ERRORS = """
+import contextlib, io, json, sys
+from typer.main import get_command
+from mgbench.cli import app
+
+HEAVY = ("torch", "transformers")
+commands = sorted(get_command(app).commands)
+# --help of the app and of every command; then input errors the run options refuse, per command.
+calls = [[], *([name] for name in commands)]
+calls = [[*call, "--help"] for call in calls]
+calls += [[name, "--batch-size", "0"] for name in ("flips", "compare", "calibrate")]
+calls += [["verify", "--batch-sizes", "0"], ["probe", "--device", "tpu"]]
+seen = []
+for call in calls:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            app(call, prog_name="mgbench")
+            code = 0
+        except SystemExit as exit:
+            code = exit.code
+    heavy = sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)
+    seen.append({"call": call, "code": code, "usage": "Usage" in out.getvalue(), "heavy": heavy[:5]})
+print(json.dumps({"commands": commands, "seen": seen}))
+"""
+
+
+def test_help_and_early_input_errors_load_no_torch():
+    # A fresh interpreter: the suite's own imports must not hide a torch import. Modules are read
+    # after each call, so the first call that imports torch or transformers is the one named.
+    out = subprocess.run(
+        [sys.executable, "-c", HELP_AND_EARLY_ERRORS], capture_output=True, text=True, check=True, timeout=120
+    )
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    expected = {"flips", "calibrate", "verify", "compare", "probe", "diff", "report", "models", "datasets"}
+    assert set(report["commands"]) >= expected
+    helps = [s for s in report["seen"] if s["call"][-1] == "--help"]
+    assert len(helps) == len(report["commands"]) + 1
+    assert all(s["code"] == 0 and s["usage"] for s in helps), helps
+    assert all(s["code"] == 2 for s in report["seen"] if s["call"][-1] != "--help"), report["seen"]
+    assert [s for s in report["seen"] if s["heavy"]] == []
