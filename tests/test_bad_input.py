@@ -321,7 +321,7 @@ def test_cuda_asked_where_there_is_none(tmp_path, tiny_model_dir, command):
     )
 
 
-def test_a_second_writer_on_a_live_run_is_refused(tmp_path, tiny_model_dir):
+def test_a_second_writer_on_a_live_run_is_refused(tmp_path, tmp_path_factory, tiny_model_dir):
     """A real run is stopped (SIGSTOP) once it holds its run directory (its staging folder's lock is
     taken before run.json is written); a second run on the same --out is refused in one line and
     changes nothing, the first run's staging folder included."""
@@ -333,9 +333,8 @@ def test_a_second_writer_on_a_live_run_is_refused(tmp_path, tiny_model_dir):
 
     args = ["flips", "--model", str(tiny_model_dir), "--dataset", "gsm8k", "--limit", "2", "--batch-size", "2"]
     args += ["--max-new-tokens", "4", "--out", str(tmp_path / "o")]
-    first = subprocess.Popen(
-        [sys.executable, "-m", "mgbench", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    with open(tmp_path_factory.mktemp("log") / "first.log", "w") as output:  # outside the tree compared
+        first = subprocess.Popen([sys.executable, "-m", "mgbench", *args], stdout=output, stderr=output)
     try:
         record = tmp_path / ".o.partial" / "run.json"
         deadline = time.monotonic() + 300
@@ -346,7 +345,7 @@ def test_a_second_writer_on_a_live_run_is_refused(tmp_path, tiny_model_dir):
         assert_bad(tmp_path, args, "another mgbench process is writing")
     finally:
         first.kill()
-        first.communicate(timeout=60)
+        first.wait(timeout=60)
     assert record.exists()  # the refused writer left the live run's staging folder alone
 
 

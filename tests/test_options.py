@@ -220,21 +220,20 @@ def test_verify_killed_then_resumed_equals_an_uninterrupted_run(tiny_model_dir, 
     # 6 requests at batch size 2: three groups, committed one by one.
     args = verify_args(tiny_model_dir, tmp_path / "run", "--policy", "none,oracle", limit="6", tokens="4")
     parts = tmp_path / ".run.partial" / "parts"
-    running = subprocess.Popen(
-        [sys.executable, "-m", "mgbench", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    log = tmp_path / "killed.log"  # a file, not a pipe: a full pipe would stall the run
+    with open(log, "w") as output:
+        running = subprocess.Popen([sys.executable, "-m", "mgbench", *args], stdout=output, stderr=output)
     try:
         deadline = time.monotonic() + 300
         while not (parts / "group-00000.json").exists() and running.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert (parts / "group-00000.json").exists(), running.stderr.read()[-2000:] if running.poll() else "timeout"
+        assert (parts / "group-00000.json").exists(), f"exit {running.poll()}: {log.read_text()[-2000:]}"
         os.kill(running.pid, signal.SIGKILL)
         running.wait(timeout=60)
     finally:
         if running.poll() is None:
             running.kill()
             running.wait(timeout=60)
-        running.stderr.close()
     assert running.returncode == -signal.SIGKILL
     assert not (tmp_path / "run").exists()  # nothing published
     done = sorted(p.name for p in parts.glob("group-*.json"))
