@@ -10,6 +10,7 @@ import torch
 
 from mgbench.analysis.divergence import first_divergence
 from mgbench.engines.inprocess.decode import RowPrefill
+from mgbench.engines.inprocess.host_heap import trim_host_heap
 from mgbench.engines.inprocess.kernels import STOCK, Kernels, PaddedDecoder, row_prefills  # noqa: F401 (re-export)
 from mgbench.engines.inprocess.metrics import TOP_LOGPROBS, kv_relative_delta, margins, step_metrics
 from mgbench.engines.inprocess.policies import NoVerification, Policy
@@ -133,6 +134,7 @@ def run_solo(
     for step in range(1, max_new_tokens):
         if tokens[-1] in eos_ids:
             break
+        trim_host_heap(step, prompt.device)
         token = torch.tensor([tokens[-1]], device=prompt.device)
         position = torch.tensor([len(prompt) + step - 1], device=prompt.device)
         steps.append(solo_summary(decoder.step(token, position)))
@@ -190,6 +192,7 @@ def run_teacher_forced(
         active = [row for row in range(len(prompts)) if lengths[row] is None]
         if not active:
             break
+        trim_host_heap(step, device)
         # Rows whose solo output ended are fed padding; their extra steps are discarded.
         fed = [tokens[row] if lengths[row] is None else pad_id for row in range(len(prompts))]
         fed = torch.tensor(fed, dtype=torch.long, device=device)
@@ -269,6 +272,7 @@ def run_free(
         active = active & ~torch.isin(emitted[-1], eos)
         if not bool(active.any()):
             break
+        trim_host_heap(step, device)
         fed = torch.where(active, emitted[-1], torch.full_like(emitted[-1], pad_id))
         positions = prompt_lens + step - 1
         logits = decoder.step(fed, positions)
