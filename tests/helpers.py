@@ -122,8 +122,9 @@ def plant_from_marker(lm) -> None:
 # --- independent computations: plain HF calls, none of mgbench's engine -------------------------
 
 
-def plain_solo(model, prompt: torch.Tensor, steps: int, pad_id: int = 0):
-    """Greedy solo decoding by HF generate: (tokens [steps], logits [steps, vocab])."""
+def plain_solo(model, prompt: torch.Tensor, steps: int, pad_id: int = 0, with_cache: bool = False):
+    """Greedy solo decoding by HF generate: (tokens [steps], logits [steps, vocab]), plus generate's
+    own cache (prompt and every fed token) `with_cache`."""
     with torch.inference_mode():
         out = model.generate(
             prompt.view(1, -1),
@@ -134,7 +135,8 @@ def plain_solo(model, prompt: torch.Tensor, steps: int, pad_id: int = 0):
             output_logits=True,
             return_dict_in_generate=True,
         )
-    return out.sequences[0, len(prompt) :], torch.stack([step[0] for step in out.logits])
+    tokens, logits = out.sequences[0, len(prompt) :], torch.stack([step[0] for step in out.logits])
+    return (tokens, logits, out.past_key_values) if with_cache else (tokens, logits)
 
 
 def _alone_prefilled_cache(model, prompts):
@@ -159,12 +161,15 @@ def _alone_prefilled_cache(model, prompts):
     return torch.stack(logits), cache
 
 
-def plain_teacher_forced(model, prompts, solo_tokens: torch.Tensor, prefill: str = "batched"):
+def plain_teacher_forced(
+    model, prompts, solo_tokens: torch.Tensor, prefill: str = "batched", pad_id: int = 0, with_cache: bool = False
+):
     """Batched logits [B, steps, vocab] of a left-padded batch fed the solo tokens, by plain HF
-    forward calls: one left-padded prefill (`batched`) or each prompt prefilled alone (`alone`)."""
+    forward calls: one left-padded prefill (`batched`) or each prompt prefilled alone (`alone`);
+    `with_cache`, also the batch's cache (left-padded to the longest prompt)."""
     total = max(len(p) for p in prompts)
     mask = torch.zeros((len(prompts), total), dtype=torch.long)
-    ids = torch.zeros_like(mask)
+    ids = torch.full_like(mask, pad_id)
     for row, p in enumerate(prompts):
         ids[row, total - len(p) :], mask[row, total - len(p) :] = p, 1
     lengths = torch.tensor([len(p) for p in prompts])
@@ -191,7 +196,7 @@ def plain_teacher_forced(model, prompts, solo_tokens: torch.Tensor, prefill: str
                 use_cache=True,
             )
             logits.append(out.logits[:, -1])
-    return torch.stack(logits, dim=1)
+    return (torch.stack(logits, dim=1), cache) if with_cache else torch.stack(logits, dim=1)
 
 
 def plain_flip_audit(model, prompts, steps: int, prefill: str = "batched") -> dict:

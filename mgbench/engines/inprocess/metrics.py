@@ -11,10 +11,20 @@ def top2_margin(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top[..., 0] - top[..., 1], top[..., 0]
 
 
+# frexp's exponent of the smallest normal bf16 (2**-126 = 0.5 * 2**-125): below it, at zero and
+# among the subnormals, the bf16 spacing stays 2**-133.
+_BF16_MIN_NORMAL_EXPONENT = -125
+
+
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    """BF16 spacing at |x|: bf16 keeps 8 significant bits, so ulp = 2**(exponent - 8) with frexp's exponent."""
-    exponent = torch.frexp(x.float().abs()).exponent
-    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exponent - 8)
+    """BF16 spacing above |x|, the gap to the next larger bf16: bf16 keeps 8 significant bits, so
+    ulp = 2**(exponent - 8) with frexp's exponent (1.0 -> 2**-7); 2**-133 at zero and subnormals;
+    NaN at infinities and NaN (no spacing to speak of)."""
+    magnitude = x.float().abs()
+    exponent = torch.frexp(magnitude).exponent.clamp(min=_BF16_MIN_NORMAL_EXPONENT)
+    exponent = torch.where(magnitude == 0, _BF16_MIN_NORMAL_EXPONENT, exponent)
+    ulp = torch.ldexp(torch.ones_like(magnitude), exponent - 8)
+    return torch.where(magnitude.isfinite(), ulp, torch.nan)
 
 
 def margins(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
