@@ -117,10 +117,39 @@ def solo_summary(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return logits.argmax(-1), top.values[..., 0] - top.values[..., 1], top.indices, top.values
 
 
+SUMMARY_FIELDS = ("tokens", "margins", "top_ids", "top_logits")  # SoloResult's names for solo_summary's tuple
+
+
 def solo_result(steps: list[tuple], row_prefill: RowPrefill, seconds: float | None, row: int = 0) -> SoloResult:
     """A SoloResult from one row of per-step `solo_summary` tuples."""
     tokens, margin, ids, values = (torch.stack([s[k][row] for s in steps]) for k in range(4))
     return SoloResult(tokens, margin, ids, values, row_prefill, seconds)
+
+
+class StepColumns:
+    """Per-step figures of a batch's rows, written into buffers allocated once ([rows, steps, ...]
+    each, at the first step). Kept as a new small tensor per step instead, they would sit between
+    the freed step buffers and fragment the host heap (its resident size then grows with the
+    tokens, host_heap.py)."""
+
+    def __init__(self, steps: int):
+        self.steps, self.count, self.buffers = steps, 0, {}
+
+    def put(self, values: dict[str, torch.Tensor]) -> None:
+        if not self.buffers:
+            self.buffers = {k: v.new_empty((v.shape[0], self.steps, *v.shape[1:])) for k, v in values.items()}
+        for name, value in values.items():
+            self.buffers[name][:, self.count] = value
+        self.count += 1
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """Column `name` over the steps put so far."""
+        return self.buffers[name][:, : self.count]
+
+    def solo_result(self, row: int, row_prefill: RowPrefill, length: int) -> SoloResult:
+        """Row `row`'s first `length` steps of solo summaries, as a SoloResult of its own (copies)."""
+        kept = (self[name][row, :length].clone() for name in SUMMARY_FIELDS)
+        return SoloResult(*kept, row_prefill, None)
 
 
 def run_solo(
@@ -180,9 +209,10 @@ def run_teacher_forced(
         decoder = kernels.batch(model, prompts, [lane.prefill for lane in lanes], prefill, pad_id, max_new_tokens)
     prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
     solo_logits = torch.stack([lane.logits[0] for lane in lanes])
-    per_step = [step_metrics(decoder.logits, solo_logits)]
-    summaries = [solo_summary(solo_logits)]
-    tokens = summaries[0][0].tolist()
+    per_step, summaries = StepColumns(max_new_tokens), StepColumns(max_new_tokens)
+    per_step.put(step_metrics(decoder.logits, solo_logits))
+    summaries.put(dict(zip(SUMMARY_FIELDS, solo_summary(solo_logits))))
+    tokens = summaries["tokens"][:, 0].tolist()
     lengths = [None] * len(prompts)  # a row's solo length, once its lane has ended
     timer = SectionTimer(device)
     for step in range(1, max_new_tokens):
@@ -202,14 +232,14 @@ def run_teacher_forced(
                 solo_logits[row] = lanes[row].step(fed[row : row + 1], prompt_lens[row : row + 1] + step - 1)[0]
         with batch_mode():
             logits = decoder.step(fed, prompt_lens + step - 1)
-        per_step.append(step_metrics(logits, solo_logits))
-        summaries.append(solo_summary(solo_logits))
-        tokens = summaries[-1][0].tolist()
-    lengths = [len(per_step) if n is None else n for n in lengths]
+        per_step.put(step_metrics(logits, solo_logits))
+        summaries.put(dict(zip(SUMMARY_FIELDS, solo_summary(solo_logits))))
+        tokens = summaries["tokens"][:, -1].tolist()
+    lengths = [per_step.count if n is None else n for n in lengths]
     for row, expected in enumerate(known):
-        _check_repeat(expected, [int(s[0][row]) for s in summaries[: lengths[row]]])
+        _check_repeat(expected, summaries["tokens"][row, : lengths[row]].tolist())
 
-    columns = {name: torch.stack([m[name] for m in per_step], dim=1).cpu().numpy() for name in per_step[0]}
+    columns = {name: per_step[name].cpu().numpy() for name in per_step.buffers}
     rows, results = [], []
     for row, prompt in enumerate(prompts):
         n = lengths[row]
@@ -220,7 +250,7 @@ def run_teacher_forced(
         record["kv_delta_mean"] = kv_mean.cpu().numpy()
         record["kv_delta_max"] = kv_max.cpu().numpy()
         rows.append(record)
-        results.append(solos[row] or solo_result(summaries[:n], lanes[row].prefill, None, row))
+        results.append(solos[row] or summaries.solo_result(row, lanes[row].prefill, n))
     return TeacherForcedResult(decoder.pads, rows, results, timer.seconds())
 
 
@@ -265,7 +295,9 @@ def run_free(
     active = torch.ones(batch, dtype=torch.bool, device=device)
     first = NoVerification() if prefill == "alone" else policy
     decision = first.decide(StepContext(0, logits, cache, pads, active, None, None, []))
-    history = [(decision.tokens, decision.triggered, decision.repaired, active, *margins(logits))]
+    fields = ("tokens", "triggered", "repaired", "alive", "margin", "margin_ulp")
+    history = StepColumns(max_new_tokens)
+    history.put(dict(zip(fields, (decision.tokens, decision.triggered, decision.repaired, active, *margins(logits)))))
     emitted = [decision.tokens]
     timer = DecodeTimer(device)
     for step in range(1, max_new_tokens):
@@ -278,12 +310,11 @@ def run_free(
         logits = decoder.step(fed, positions)
         decision = policy.decide(StepContext(step, logits, cache, pads, active, fed, positions, emitted))
         emitted.append(decision.tokens)
-        history.append(
-            (decision.tokens, decision.triggered & active, decision.repaired & active, active, *margins(logits))
-        )
+        triggered, repaired = decision.triggered & active, decision.repaired & active
+        history.put(dict(zip(fields, (decision.tokens, triggered, repaired, active, *margins(logits)))))
     seconds = timer.seconds()
 
-    tokens, triggered, repaired, alive, margin, margin_ulp = (torch.stack(t, dim=1).cpu() for t in zip(*history))
+    tokens, triggered, repaired, alive, margin, margin_ulp = (history[name].cpu() for name in fields)
     keep = [alive[row].nonzero().flatten().tolist() for row in range(batch)]
 
     def pick(table: torch.Tensor) -> list[list]:  # each row's alive steps
