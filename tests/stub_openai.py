@@ -5,8 +5,17 @@ test asks otherwise), with vLLM's response shape (`token_ids`, top logprobs keye
 with `llamacpp=True`, llama.cpp's (`logprobs.content[i] = {id, logprob, top_logprobs: [{id,
 logprob}]}`, GET /props and no /version).
 `mode` picks a fault: "ok", "not-openai", "no-logprobs", "text-keys", "http-500", "drop"
-(close the connection without an answer), "slow"; `fail_after` lets that many completions
-succeed first. Bound to 127.0.0.1 on a free port; `stop()` shuts it down.
+(close the connection without an answer), "slow" (sleep `delay` seconds, then answer);
+`fail_after` lets that many completions succeed first. Bound to 127.0.0.1 on a free port;
+`stop()` shuts it down.
+
+PLANTED BATCH VARIANCE (`flip_when_concurrent`), certain on a loaded machine: an audit sends each
+request alone, then in batches of `batch` released together, then alone again. A run starts with
+GET /v1/models, which restarts the count; a prompt's second full-length completion in a run is its
+batched one, and it waits at a barrier until `batch` such requests are in flight together (no
+guess at how close in time they arrive). Released together, they are answered with drift and a
+flip at step 2; a barrier that breaks (the batch was not sent together, or a partner failed)
+answers as alone, and the test that expected the variance fails.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -33,16 +43,43 @@ class StubState:
         flip_when_concurrent=False,
         llamacpp=False,
         shift_at: int | None = None,
+        batch: int = 2,
+        delay: float = 3.0,
     ):
         self.mode, self.fail_after, self.models = mode, fail_after, list(models)
         self.flip_when_concurrent, self.llamacpp = flip_when_concurrent, llamacpp
         # PLANTED OUTPUT CHANGE: every answer's token at step `shift_at` is moved by one, alone or not
         # (as another node's server might answer).
         self.shift_at = shift_at
+        self.delay = delay
         self.bodies: list[dict] = []  # every completion request received
         self.completions = 0
-        self.active: list[dict] = []  # requests being answered; each marks whether another overlapped it
+        self.seen: Counter = Counter()  # full-length completions of each prompt in this run
+        self.batch = batch
+        self.barrier = threading.Barrier(batch)
         self.lock = threading.Lock()
+
+    def break_barrier(self) -> None:
+        """A failed request: whoever waits for it is answered as alone; later batches get a new barrier."""
+        with self.lock:
+            self.barrier.abort()
+            self.barrier = threading.Barrier(self.batch)
+
+    def released_together(self, body: dict) -> bool:
+        """Whether this request is its prompt's batched one and `batch` of them were in flight together."""
+        prompt = body["prompt"]
+        key = (tuple(prompt) if isinstance(prompt, list) else prompt, int(body["max_tokens"]))
+        with self.lock:
+            self.seen[key] += 1
+            batched = self.seen[key] == 2 and int(body["max_tokens"]) > 2  # not the start check's 2 tokens
+            barrier = self.barrier
+        if not (self.flip_when_concurrent and batched):
+            return False
+        try:
+            barrier.wait(timeout=120)
+        except threading.BrokenBarrierError:
+            return False
+        return True
 
 
 def _completion(state: StubState, body: dict, concurrent: bool) -> dict:
@@ -99,6 +136,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            with self.state.lock:
+                self.state.seen.clear()  # a new run
         if self.state.mode == "not-openai":
             self._send(404, b"<html><body>Not Found</body></html>", "text/html")
         elif self.path == "/v1/models":
@@ -123,36 +163,27 @@ class _Handler(BaseHTTPRequestHandler):
             state.bodies.append(body)
             state.completions += 1
             failing = state.mode in ("http-500", "drop", "slow") and state.completions > state.fail_after
-            mine = {"concurrent": bool(state.active)}
-            for other in state.active:
-                other["concurrent"] = True
-            state.active.append(mine)
-        try:
-            if failing and state.mode == "http-500":
-                self._send(
-                    500,
-                    {
-                        "error": {
-                            "message": "TypeError: 'function' object is not subscriptable",
-                            "type": "InternalServerError",
-                            "code": 500,
-                        }
-                    },
-                )
-                return
-            if failing and state.mode == "drop":
-                self.close_connection = True
-                self.connection.close()
-                return
-            if failing and state.mode == "slow":
-                time.sleep(3)
-            time.sleep(0.2)  # long enough for the requests of a released batch to overlap
-            with state.lock:
-                concurrent = mine["concurrent"]
-            self._send(200, _completion(state, body, concurrent))
-        finally:
-            with state.lock:
-                state.active.remove(mine)
+        if failing and state.mode == "http-500":
+            state.break_barrier()
+            self._send(
+                500,
+                {
+                    "error": {
+                        "message": "TypeError: 'function' object is not subscriptable",
+                        "type": "InternalServerError",
+                        "code": 500,
+                    }
+                },
+            )
+            return
+        if failing and state.mode == "drop":
+            state.break_barrier()
+            self.close_connection = True
+            self.connection.close()
+            return
+        if failing and state.mode == "slow":
+            time.sleep(state.delay)
+        self._send(200, _completion(state, body, state.released_together(body)))
 
 
 class StubServer:

@@ -9,6 +9,7 @@ touched.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,7 +33,24 @@ def llamacpp_build(variant: str = "default") -> tuple[Path, Path]:
     return Path(server.stdout.strip()), Path(gguf.stdout.strip())
 
 
+# Ports picked below Linux's ephemeral range (32768-60999): the kernel hands those to every outgoing
+# connection and port-0 bind, so a port it just reported free may be taken again before the server
+# binds it; a random port here is only taken by another explicit pick.
+PICKED_PORTS = range(20000, 32000)
+BIND_FAILURES = ("address already in use", "couldn't bind", "failed to bind", "errno 98")
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on now, picked at random outside the ephemeral range."""
+    pick = random.Random(os.urandom(8))
+    for _ in range(50):
+        port = pick.choice(PICKED_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -41,15 +59,16 @@ def free_port() -> int:
 class LocalServer:
     """One server process; `url` is its OpenAI base (http://127.0.0.1:PORT/v1)."""
 
-    def __init__(self, command: list[str], port: int, log: Path, env: dict | None = None):
+    def __init__(self, command: list[str], port: int, log: Path, env: dict | None = None, picked: bool = False):
         self.command, self.port, self.log, self.env = command, port, log, env
+        self.picked = picked  # the port was picked here: a bind that fails moves to another one
         self.process: subprocess.Popen | None = None
 
     @classmethod
     def vllm_cpu(cls, log: Path, port: int | None = None, extra_args: list[str] = (), env: dict | None = None):
         """The default model on vLLM's CPU build (`make vllm`), eager unless extra_args say otherwise."""
-        port = port or free_port()
-        return cls([str(SERVE_VLLM_CPU), str(port), *extra_args], port, log, env)
+        picked, port = port is None, port or free_port()
+        return cls([str(SERVE_VLLM_CPU), str(port), *extra_args], port, log, env, picked)
 
     @classmethod
     def llamacpp(
@@ -57,8 +76,9 @@ class LocalServer:
     ) -> "LocalServer":
         """The default model on llama.cpp's server (`make llamacpp`), -np 8 unless extra_args say
         otherwise; `variant` nollamafile: the build with GGML_LLAMAFILE=OFF."""
-        port = port or free_port()
-        return cls([str(SERVE_LLAMACPP), str(port), *extra_args], port, log, {"MGBENCH_LLAMACPP_VARIANT": variant})
+        picked, port = port is None, port or free_port()
+        env = {"MGBENCH_LLAMACPP_VARIANT": variant}
+        return cls([str(SERVE_LLAMACPP), str(port), *extra_args], port, log, env, picked)
 
     @property
     def url(self) -> str:
@@ -80,8 +100,12 @@ class LocalServer:
     def wait_ready(self, timeout: float = 900.0) -> float:
         """Seconds until GET /v1/models answers 200; RuntimeError (with the log's tail) if the
         process exits or the time runs out."""
-        started = time.monotonic()
+        started, moves = time.monotonic(), 0
         while time.monotonic() - started < timeout:
+            if not self.alive() and self.picked and moves < 3 and self.lost_its_port():
+                self.move_to(free_port())  # taken between the pick and the bind: another port
+                moves += 1
+                continue
             if not self.alive():
                 raise RuntimeError(
                     f"server exited with code {self.process.returncode} before answering; log tail:\n{self.log_tail()}"
@@ -95,6 +119,16 @@ class LocalServer:
             time.sleep(1.0)
         self.stop()
         raise RuntimeError(f"server did not answer within {timeout:.0f} s; log tail:\n{self.log_tail()}")
+
+    def lost_its_port(self) -> bool:
+        return any(failure in self.log_tail(40).lower() for failure in BIND_FAILURES)
+
+    def move_to(self, port: int) -> None:
+        """Start again on `port` (the command names its port as its first argument)."""
+        self.stop()
+        self.command = [self.command[0], str(port), *self.command[2:]]
+        self.port = port
+        self.start()
 
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM to the server's process group (its PID leads it), SIGKILL after `grace` s; then

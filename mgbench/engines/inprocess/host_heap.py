@@ -1,15 +1,17 @@
 """Give the host heap's freed pages back to the OS during a long CPU decode.
 
-A decode step allocates and frees a few [rows, vocab] float buffers, while the tables' small
-per-step figures and the growing caches stay allocated between them. glibc's malloc then cannot
-reuse most of the freed space (the small survivors split it), so the process's resident memory
-grew with the tokens although what it held did not: measured on a tiny model with the default
-model's 49,152-token vocabulary at batch 8, peak RSS 784 MB at 256 new tokens and 4,232 MB at 2,048
-(examples/bench_memory.py). `malloc_trim` returns the free pages inside the heap
-(madvise), so the resident memory stays what is live. Forcing those buffers onto mmap instead
-(M_MMAP_THRESHOLD) also bounds it, but cost about 1.7x the CPU time there: every step then
-faults its buffers in afresh. Nothing to do on a GPU (its caching allocator reuses blocks) or
-without glibc.
+A decode step allocates and frees a few [rows, vocab] float buffers. Whatever small allocation
+outlives a step lands between them, and glibc's malloc can then neither reuse nor return most of
+the freed space: the process's resident memory grows with the tokens although what it holds does
+not. Measured on a tiny model with the default model's 49,152-token vocabulary at batch 8
+(examples/bench_memory.py): peak RSS 784 MB at 256 new tokens, 4,232 MB at 2,048, when each step
+kept its figures as new small tensors. The runners now write those into buffers allocated once
+(runners.StepColumns), which removed that growth; this trim is the guard for what else outlives a
+step (a cache's growth, a policy's state): alone, before StepColumns, it brought the 2,048-token
+figure to 632 MB. `malloc_trim` returns the free pages inside the heap (madvise), under a
+millisecond a call there. Forcing the buffers onto mmap instead (M_MMAP_THRESHOLD) also bounds the
+memory, but cost about 1.7x the CPU time: every step faults its buffers in afresh. Nothing to do on
+a GPU (its caching allocator reuses blocks) or without glibc.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import functools
 
 import torch
 
-# Steps between trims: a trim costs about a millisecond; 32 steps of a large-vocabulary model
-# leave tens of MB to return.
+# Steps between trims: often enough that a step's leftovers cannot pile up, rarely enough that
+# the trims cost nothing measurable.
 TRIM_EVERY = 32
 
 
