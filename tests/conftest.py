@@ -24,6 +24,30 @@ def math500_prompts(default_lm):
     return [datasets.encode(default_lm.tokenizer, config, datasets.prompt_text(config, r)) for r in records]
 
 
+# Markers say what a test costs (pyproject.toml): a test that asks for the real default model is
+# marked slow here; one that loads it some other way (a CLI run on the default model) without the
+# mark fails, naming the marker it lacks.
+MODEL_FIXTURES = {"default_lm", "math500_prompts"}
+_running = {"slow": True}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if MODEL_FIXTURES & set(item.fixturenames) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_runtest_setup(item):
+    # before any fixture of the test, module- and session-scoped ones included, is set up
+    _running["slow"] = item.get_closest_marker("slow") is not None
+
+
+def is_default_model(lm) -> bool:
+    from mgbench.assets import models
+
+    return str(lm.source) == str(models.resolve_source(models.DEFAULT_MODEL))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def planted_folders_load_planted():
     """In-process CLI runs load a model folder that carries the plant marker with its planted
@@ -36,6 +60,8 @@ def planted_folders_load_planted():
 
     def load_and_plant(*args, **kwargs):
         lm = load(*args, **kwargs)
+        if not _running["slow"] and is_default_model(lm):
+            raise AssertionError("this test loads the default model SmolLM2-135M: mark it @pytest.mark.slow")
         plant_from_marker(lm)
         return lm
 
@@ -45,18 +71,27 @@ def planted_folders_load_planted():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, default_lm):
+def default_tokenizer():
+    """The default model's tokenizer alone (no weights): tiny models share it."""
+    from mgbench.assets import models
+
+    tokenizer, _ = models.load_tokenizer(models.DEFAULT_MODEL)
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_tokenizer):
     """A random-init Llama with the default model's tokenizer, saved as a local model folder.
     Planted near-tie rows put every step's top-2 within about 0.012 logit; whether this
     machine's batched kernels turn that into flips is measured, never assumed."""
     folder = tmp_path_factory.mktemp("tiny-model")
     from helpers import plant_near_ties, tiny_llama
 
-    model = tiny_llama(hidden=64, vocab=len(default_lm.tokenizer))
-    model.config.eos_token_id = default_lm.tokenizer.eos_token_id
+    model = tiny_llama(hidden=64, vocab=len(default_tokenizer))
+    model.config.eos_token_id = default_tokenizer.eos_token_id
     plant_near_ties(model, eps=0.0005)
     model.save_pretrained(folder)
-    default_lm.tokenizer.save_pretrained(folder)
+    default_tokenizer.save_pretrained(folder)
     return folder
 
 

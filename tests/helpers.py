@@ -228,9 +228,17 @@ def kill_server_after_first_commit(command: list[str], out, server) -> tuple[int
     deadline = time.monotonic() + 600
     while not (parts / "group-00000.json").exists() and running.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert (parts / "group-00000.json").exists(), running.communicate()[1][-2000:]
+    if not (parts / "group-00000.json").exists():
+        running.kill()  # never left running, never waited on without a timeout
+        _, stderr = running.communicate(timeout=60)
+        raise AssertionError(f"no group committed before the deadline or the audit's exit:\n{stderr[-2000:]}")
     server.kill()
-    _, stderr = running.communicate(timeout=120)
+    try:
+        _, stderr = running.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        running.kill()
+        running.communicate(timeout=60)
+        raise
     groups = sorted(p.stem.split("-")[1] for p in parts.glob("group-*.json"))
     committed = {
         table: pd.concat([pd.read_parquet(parts / f"{table}-{g}.parquet") for g in groups])

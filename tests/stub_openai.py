@@ -5,7 +5,10 @@ test asks otherwise), with vLLM's response shape (`token_ids`, top logprobs keye
 with `llamacpp=True`, llama.cpp's (`logprobs.content[i] = {id, logprob, top_logprobs: [{id,
 logprob}]}`, GET /props and no /version).
 `mode` picks a fault: "ok", "not-openai", "no-logprobs", "text-keys", "http-500", "drop"
-(close the connection without an answer), "slow" (sleep `delay` seconds, then answer);
+(close the connection without an answer), "slow" (sleep `delay` seconds, then answer),
+"not-json" (HTTP 200 with an HTML body), "unstable" (a prompt's every answer differs from its
+last one at step 1: a server not deterministic alone); `short_at` ends every answer after that
+many tokens (finish_reason "stop");
 `fail_after` lets that many completions succeed first. Bound to 127.0.0.1 on a free port;
 `stop()` shuts it down.
 
@@ -45,13 +48,15 @@ class StubState:
         shift_at: int | None = None,
         batch: int = 2,
         delay: float = 3.0,
+        short_at: int | None = None,
     ):
         self.mode, self.fail_after, self.models = mode, fail_after, list(models)
         self.flip_when_concurrent, self.llamacpp = flip_when_concurrent, llamacpp
         # PLANTED OUTPUT CHANGE: every answer's token at step `shift_at` is moved by one, alone or not
         # (as another node's server might answer).
         self.shift_at = shift_at
-        self.delay = delay
+        self.delay, self.short_at = delay, short_at
+        self.answers: Counter = Counter()  # completions answered per prompt ("unstable")
         self.bodies: list[dict] = []  # every completion request received
         self.completions = 0
         self.seen: Counter = Counter()  # full-length completions of each prompt in this run
@@ -90,6 +95,12 @@ def _completion(state: StubState, body: dict, concurrent: bool) -> dict:
     tokens = greedy_tokens(ids, int(body["max_tokens"]), flip_at)
     if state.shift_at is not None and state.shift_at < len(tokens):
         tokens[state.shift_at] += 1
+    if state.mode == "unstable" and len(tokens) > 1:
+        with state.lock:
+            state.answers[tuple(ids)] += 1
+            tokens[1] += state.answers[tuple(ids)]
+    if state.short_at is not None:
+        tokens = tokens[: state.short_at]
     k = int(body.get("logprobs") or 0)
     top = [
         {f"token_id:{t + j}": -0.25 * (j + 1) + (0.125 if varies and j == 1 else 0.0) for j in range(k)} for t in tokens
@@ -108,7 +119,15 @@ def _completion(state: StubState, body: dict, concurrent: bool) -> dict:
         "object": "text_completion",
         "model": body["model"],
         "system_fingerprint": "stub-1",
-        "choices": [{"index": 0, "text": "", "token_ids": tokens, "logprobs": logprobs, "finish_reason": "length"}],
+        "choices": [
+            {
+                "index": 0,
+                "text": "",
+                "token_ids": tokens,
+                "logprobs": logprobs,
+                "finish_reason": "length" if len(tokens) == int(body["max_tokens"]) else "stop",
+            }
+        ],
     }
 
 
@@ -162,7 +181,7 @@ class _Handler(BaseHTTPRequestHandler):
         with state.lock:
             state.bodies.append(body)
             state.completions += 1
-            failing = state.mode in ("http-500", "drop", "slow") and state.completions > state.fail_after
+            failing = state.mode in ("http-500", "drop", "slow", "not-json") and state.completions > state.fail_after
         if failing and state.mode == "http-500":
             state.break_barrier()
             self._send(
@@ -183,6 +202,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if failing and state.mode == "slow":
             time.sleep(state.delay)
+        if failing and state.mode == "not-json":
+            self._send(200, b"<html><body>Bad Gateway</body></html>", "text/html")
+            return
         self._send(200, _completion(state, body, state.released_together(body)))
 
 

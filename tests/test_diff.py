@@ -530,7 +530,7 @@ def test_two_kernel_families_in_process_diffed_as_pandas_compares(tiny_model_dir
     assert diff_json(runs["native"], again)[1]["pairs"][0]["identical_share"] == 1.0
 
 
-@pytest.mark.slow
+@pytest.mark.server
 def test_two_llamacpp_servers_diffed_as_pandas_compares(tmp_path):
     """llama.cpp with one slot and with four, started here on free loopback ports and stopped by PID."""
     from mgbench.engines.endpoint.local_server import LocalServer, llamacpp_build

@@ -210,3 +210,44 @@ def test_report_puts_engines_side_by_side(tmp_path):
     assert [row.split(" | ")[0] for row in rows] == ["| stub varying", "| stub steady"]
     assert "| 4 | 33.33% |" in rows[0] and "| 0 | 0.00% |" in rows[1]  # flips, flip rate of each engine
     assert all("first-divergence" in row for row in rows)
+
+
+def test_a_200_that_is_not_json_exits_2_in_one_line(tmp_path):
+    with StubServer(StubState(mode="not-json")) as server:
+        one_line_exit_2(flips(server.url, tmp_path / "run"), "without an OpenAI completion", tmp_path / "run")
+
+
+def test_http_500_after_a_committed_group_keeps_it_for_resume(tmp_path):
+    # Group 0 takes 1 (the start check) + 2 solo + 2 batched + 2 solo again completions.
+    with StubServer(StubState(mode="http-500", fail_after=8)) as server:
+        result = flips(server.url, tmp_path / "run")
+    assert result.exit_code == 2 and "HTTP 500" in result.stderr and "--resume" in result.stderr, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "run").exists()
+    parts = tmp_path / ".run.partial" / "parts"
+    assert sorted(p.name for p in parts.glob("group-*.json")) == ["group-00000.json"]  # group 0, nothing after
+
+
+def test_short_completions_are_audited_as_long_as_they_are(tmp_path):
+    with StubServer(StubState(short_at=3, flip_when_concurrent=True)) as server:
+        result = flips(server.url, tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    sequences = pd.read_parquet(tmp_path / "run" / "sequences.parquet")
+    steps = pd.read_parquet(tmp_path / "run" / "steps.parquet")
+    assert sequences["solo_ids"].map(len).tolist() == [3] * 4 and sequences["batched_ids"].map(len).tolist() == [3] * 4
+    assert steps.groupby("request_id")["step"].max().tolist() == [2] * 4  # the planted flip at step 2, the last
+    assert summary["flips"] == 4 and summary["steps"] == 12 == len(steps)
+
+
+def test_a_server_not_deterministic_alone_is_reported_and_its_requests_not_counted(tmp_path):
+    """Negative control beside it: the same requests from a server that repeats alone are counted."""
+    with StubServer(StubState(mode="unstable")) as server:
+        result = flips(server.url, tmp_path / "unstable")
+    assert result.exit_code == 0, result.output
+    repeat = json.loads(result.stdout)["solo_repeat"]
+    assert repeat["deterministic"] is False and repeat["requests_differing"] == 4
+    assert [d["first_divergence"] for d in repeat["differing"]] == [1] * 4  # where the stub changes its answers
+    assert len(pd.read_parquet(tmp_path / "unstable" / "steps.parquet")) == 0  # no unstable reference counted
+    with StubServer() as server:
+        steady = json.loads(flips(server.url, tmp_path / "steady").stdout)
+    assert steady["solo_repeat"]["deterministic"] is True and steady["steps"] == 4 * 6

@@ -270,6 +270,7 @@ def test_piped_logs_at_full_width(base_run, tmp_path):
         capture_output=True,
         text=True,
         env=env,
+        timeout=300,
     )
     assert piped.returncode == 0, piped.stderr
     assert "…" not in piped.stdout and "trig@…" not in piped.stdout and "TAU min" in piped.stdout

@@ -140,7 +140,7 @@ def test_analysis_loads_no_torch_model_or_engine():
         "banned = ('torch', 'transformers', 'mgbench.engines', 'mgbench.assets.models', 'mgbench.pipelines')\n"
         "print(sorted(k for k in sys.modules if k.startswith(banned)))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout
 
 
