@@ -251,3 +251,47 @@ def test_a_server_not_deterministic_alone_is_reported_and_its_requests_not_count
     with StubServer() as server:
         steady = json.loads(flips(server.url, tmp_path / "steady").stdout)
     assert steady["solo_repeat"]["deterministic"] is True and steady["steps"] == 4 * 6
+
+
+def test_a_server_that_loses_its_picked_port_moves_to_another(tmp_path):
+    """A port taken between the pick and the server's bind: the server is started again on a new
+    port, and the one answering is the one started (the squatter never answers HTTP)."""
+    import socket
+    import sys
+
+    from mgbench.engines.endpoint.local_server import LocalServer, free_port
+
+    script = tmp_path / "serve.py"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import http.server, json, sys\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        body = json.dumps({'data': [{'id': 'moved'}]}).encode()\n"
+        "        self.send_response(200); self.send_header('Content-Length', str(len(body))); self.end_headers()\n"
+        "        self.wfile.write(body)\n"
+        "try:\n"
+        "    server = http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H)\n"
+        "except OSError as exc:\n"
+        "    sys.exit(f'error: {exc}')\n"
+        "server.serve_forever()\n"
+    )
+    script.chmod(0o755)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", free_port()))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        server = LocalServer([str(script), str(taken)], taken, tmp_path / "log.txt", picked=True).start()
+        try:
+            server.wait_ready(timeout=60)
+            assert server.port != taken and server.alive()
+            assert served_id(server.url) == "moved"
+        finally:
+            server.stop()
+
+
+def served_id(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/models", timeout=10) as response:
+        return json.load(response)["data"][0]["id"]
