@@ -120,12 +120,6 @@ def solo_summary(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 SUMMARY_FIELDS = ("tokens", "margins", "top_ids", "top_logits")  # SoloResult's names for solo_summary's tuple
 
 
-def solo_result(steps: list[tuple], row_prefill: RowPrefill, seconds: float | None, row: int = 0) -> SoloResult:
-    """A SoloResult from one row of per-step `solo_summary` tuples."""
-    tokens, margin, ids, values = (torch.stack([s[k][row] for s in steps]) for k in range(4))
-    return SoloResult(tokens, margin, ids, values, row_prefill, seconds)
-
-
 class StepColumns:
     """Per-step figures of a batch's rows, written into buffers allocated once ([rows, steps, ...]
     each, at the first step). Kept as a new small tensor per step instead, they would sit between
@@ -146,10 +140,14 @@ class StepColumns:
         """Column `name` over the steps put so far."""
         return self.buffers[name][:, : self.count]
 
-    def solo_result(self, row: int, row_prefill: RowPrefill, length: int) -> SoloResult:
+    def put_solo_summary(self, logits: torch.Tensor) -> None:
+        """One step's `solo_summary` of logits [rows, vocab]."""
+        self.put(dict(zip(SUMMARY_FIELDS, solo_summary(logits))))
+
+    def solo_result(self, row: int, row_prefill: RowPrefill, length: int, seconds: float | None = None) -> SoloResult:
         """Row `row`'s first `length` steps of solo summaries, as a SoloResult of its own (copies)."""
         kept = (self[name][row, :length].clone() for name in SUMMARY_FIELDS)
-        return SoloResult(*kept, row_prefill, None)
+        return SoloResult(*kept, row_prefill, seconds)
 
 
 def run_solo(
@@ -157,8 +155,9 @@ def run_solo(
 ) -> SoloResult:
     """Greedy decoding of one request alone: batch size 1, no padding, through `kernels`."""
     decoder = kernels.solo(model, prompt, max_new_tokens)
-    steps = [solo_summary(decoder.logits)]
-    tokens = [int(steps[0][0][0])]
+    steps = StepColumns(max_new_tokens)
+    steps.put_solo_summary(decoder.logits)
+    tokens = [int(steps["tokens"][0, -1])]
     timer = DecodeTimer(prompt.device)
     for step in range(1, max_new_tokens):
         if tokens[-1] in eos_ids:
@@ -166,10 +165,10 @@ def run_solo(
         trim_host_heap(step, prompt.device)
         token = torch.tensor([tokens[-1]], device=prompt.device)
         position = torch.tensor([len(prompt) + step - 1], device=prompt.device)
-        steps.append(solo_summary(decoder.step(token, position)))
-        tokens.append(int(steps[-1][0][0]))
+        steps.put_solo_summary(decoder.step(token, position))
+        tokens.append(int(steps["tokens"][0, -1]))
     seconds = timer.seconds()
-    return solo_result(steps, decoder.prefill, seconds)
+    return steps.solo_result(0, decoder.prefill, steps.count, seconds)
 
 
 def prefill_for_batch(model, prompts, prefills: list[RowPrefill] | None, prefill: str, pad_id: int):
@@ -211,7 +210,7 @@ def run_teacher_forced(
     solo_logits = torch.stack([lane.logits[0] for lane in lanes])
     per_step, summaries = StepColumns(max_new_tokens), StepColumns(max_new_tokens)
     per_step.put(step_metrics(decoder.logits, solo_logits))
-    summaries.put(dict(zip(SUMMARY_FIELDS, solo_summary(solo_logits))))
+    summaries.put_solo_summary(solo_logits)
     tokens = summaries["tokens"][:, 0].tolist()
     lengths = [None] * len(prompts)  # a row's solo length, once its lane has ended
     timer = SectionTimer(device)
@@ -233,7 +232,7 @@ def run_teacher_forced(
         with batch_mode():
             logits = decoder.step(fed, prompt_lens + step - 1)
         per_step.put(step_metrics(logits, solo_logits))
-        summaries.put(dict(zip(SUMMARY_FIELDS, solo_summary(solo_logits))))
+        summaries.put_solo_summary(solo_logits)
         tokens = summaries["tokens"][:, -1].tolist()
     lengths = [per_step.count if n is None else n for n in lengths]
     for row, expected in enumerate(known):
