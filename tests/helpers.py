@@ -119,6 +119,19 @@ def plant_from_marker(lm) -> None:
         plant_nudged_head(lm.model, plant["delta"], plant["invariant_up_to"])
 
 
+# --- command lines -------------------------------------------------------------------------------
+
+
+def cli_args(command: str, model, out, *extra, limit, batch, tokens, dataset: str = "gsm8k") -> list[str]:
+    """`mgbench COMMAND` on a local model folder, writing `out`: flips takes `batch` as
+    --batch-size, verify as --batch-sizes."""
+    sizes = "--batch-size" if command == "flips" else "--batch-sizes"
+    return [
+        *(command, "--model", str(model), "--dataset", dataset, "--limit", str(limit), sizes, str(batch)),
+        *("--max-new-tokens", str(tokens), "--out", str(out), *extra),
+    ]
+
+
 # --- independent computations: plain HF calls, none of mgbench's engine -------------------------
 
 

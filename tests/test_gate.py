@@ -13,6 +13,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import cli_args
 from typer.testing import CliRunner
 
 from mgbench.analysis import gate
@@ -75,22 +76,7 @@ def junit_cases(path: Path) -> tuple[ET.Element, dict[str, ET.Element]]:
 
 
 def flips_args(folder, out, *extra):
-    return [
-        "flips",
-        "--model",
-        str(folder),
-        "--dataset",
-        "gsm8k",
-        "--limit",
-        "8",
-        "--batch-size",
-        "8",
-        "--max-new-tokens",
-        "24",
-        "--out",
-        str(out),
-        *extra,
-    ]
+    return cli_args("flips", folder, out, *extra, limit=8, batch=8, tokens=24)
 
 
 @pytest.fixture(scope="module")

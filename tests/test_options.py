@@ -12,6 +12,7 @@ import time
 import pandas as pd
 import pytest
 import torch
+from helpers import cli_args
 from stub_openai import StubServer, StubState
 from typer.testing import CliRunner
 
@@ -27,41 +28,11 @@ def invoke(args):
 
 
 def flips_args(model, out, *extra):
-    return [
-        "flips",
-        "--model",
-        str(model),
-        "--dataset",
-        "gsm8k",
-        "--limit",
-        "4",
-        "--batch-size",
-        "2",
-        "--max-new-tokens",
-        "8",
-        "--out",
-        str(out),
-        *extra,
-    ]
+    return cli_args("flips", model, out, *extra, limit=4, batch=2, tokens=8)
 
 
 def verify_args(model, out, *extra, limit="2", tokens="8"):
-    return [
-        "verify",
-        "--model",
-        str(model),
-        "--dataset",
-        "gsm8k",
-        "--limit",
-        limit,
-        "--batch-sizes",
-        "2",
-        "--max-new-tokens",
-        tokens,
-        "--out",
-        str(out),
-        *extra,
-    ]
+    return cli_args("verify", model, out, *extra, limit=limit, batch=2, tokens=tokens)
 
 
 @pytest.fixture(scope="module")

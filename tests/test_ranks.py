@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import cli_args
 from typer.testing import CliRunner
 
 from mgbench.assets import models
@@ -31,22 +32,7 @@ TABLES = ("steps", "sequences")
 
 def flips_args(model, out, *extra, limit: int = 8):
     # Batches of 2: `limit` / 2 groups, dealt round-robin to the shards (8 requests: 2 groups each of 2).
-    return [
-        "flips",
-        "--model",
-        str(model),
-        "--dataset",
-        "gsm8k",
-        "--limit",
-        str(limit),
-        "--batch-size",
-        "2",
-        "--max-new-tokens",
-        "8",
-        "--out",
-        str(out),
-        *extra,
-    ]
+    return cli_args("flips", model, out, *extra, limit=limit, batch=2, tokens=8)
 
 
 def files_of(run: Path) -> dict[str, tuple[bytes, int]]:

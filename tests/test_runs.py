@@ -12,6 +12,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import cli_args
 from typer.testing import CliRunner
 
 from mgbench.assets.models import placement_kwargs
@@ -29,45 +30,13 @@ TABLES = ("steps", "sequences")
 
 def flips_args(model, out, *extra):
     # 6 requests at batch size 2: three groups, so a run can stop between them.
-    return [
-        "flips",
-        "--model",
-        str(model),
-        "--dataset",
-        "gsm8k",
-        "--limit",
-        "6",
-        "--batch-size",
-        "2",
-        "--max-new-tokens",
-        "16",
-        "--out",
-        str(out),
-        *extra,
-    ]
+    return cli_args("flips", model, out, *extra, limit=6, batch=2, tokens=16)
 
 
 def verify_args(model, out, *extra):
-    return [
-        "verify",
-        "--model",
-        str(model),
-        "--dataset",
-        "gsm8k",
-        "--limit",
-        "4",
-        "--batch-sizes",
-        "1,2",
-        "--max-new-tokens",
-        "8",
-        "--policy",
-        "none,margin",
-        "--threshold",
-        "0.5",
-        "--out",
-        str(out),
-        *extra,
-    ]
+    return cli_args(
+        "verify", model, out, "--policy", "none,margin", "--threshold", "0.5", *extra, limit=4, batch="1,2", tokens=8
+    )
 
 
 def invoke(args):
