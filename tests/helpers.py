@@ -132,6 +132,15 @@ def cli_args(command: str, model, out, *extra, limit, batch, tokens, dataset: st
     ]
 
 
+def raw_margins(tops: list[dict]) -> list[float]:
+    """Top-1 minus top-2 logprob of each step, from a raw response's top logprobs {id: logprob}
+    (float32, as the tables store it): computed from the server's answer, not by mgbench."""
+    import numpy as np
+
+    ranked = [sorted(top.values(), reverse=True) for top in tops]
+    return [float(np.float32(values[0] - values[1])) for values in ranked]
+
+
 # --- independent computations: plain HF calls, none of mgbench's engine -------------------------
 
 

@@ -12,10 +12,9 @@ import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pandas as pd
 import pytest
-from helpers import kill_server_after_first_commit
+from helpers import kill_server_after_first_commit, raw_margins
 from typer.testing import CliRunner
 
 from mgbench.assets import datasets
@@ -85,13 +84,6 @@ def audited(llamacpp_servers, tmp_path_factory):
     return {name: (root / name, audit(server.url, root / name)) for name, server in llamacpp_servers.items()}
 
 
-def own_margins(tops: list[dict]) -> list[float]:
-    """Top-1 minus top-2 logprob of each step, from a raw response's top logprobs (float32, as stored)."""
-    return [
-        float(np.float32(sorted(top.values(), reverse=True)[0] - sorted(top.values(), reverse=True)[1])) for top in tops
-    ]
-
-
 def test_negative_control_one_slot_decodes_each_request_alone(llamacpp_servers, prompts, audited):
     """One slot: a batch's requests are decoded one after another, each the computation it is
     alone, so the audit must find no flip and no drift. Its margins must be the ones a bare
@@ -110,9 +102,9 @@ def test_negative_control_one_slot_decodes_each_request_alone(llamacpp_servers, 
     for row in sequences.itertuples():
         ids, tops = by_prompt[tuple(row.prompt_ids)]
         assert list(row.solo_ids) == ids and list(row.batched_ids) == ids
-        assert list(row.solo_margins) == own_margins(tops)
+        assert list(row.solo_margins) == raw_margins(tops)
         mine = steps[steps["request_id"] == row.request_id].sort_values("step")
-        assert mine["margin"].tolist() == mine["solo_margin"].tolist() == own_margins(tops)[: len(mine)]
+        assert mine["margin"].tolist() == mine["solo_margin"].tolist() == raw_margins(tops)[: len(mine)]
         assert (mine["logprob_drift"] == 0).all() and len(mine) == len(ids)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["endpoint"]["props"]["total_slots"] == 1

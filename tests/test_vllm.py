@@ -11,10 +11,9 @@ import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pandas as pd
 import pytest
-from helpers import kill_server_after_first_commit
+from helpers import kill_server_after_first_commit, raw_margins
 from typer.testing import CliRunner
 
 from mgbench.assets import datasets
@@ -90,12 +89,6 @@ def audited(vllm, tmp_path_factory):
     return out, json.loads(result.stdout)
 
 
-def own_margins(tops: list[dict]) -> list[float]:
-    """Top-1 minus top-2 logprob of each step, from a raw response's top logprobs (float32, as stored)."""
-    ranked = [sorted(top.values(), reverse=True) for top in tops]
-    return [float(np.float32(values[0] - values[1])) for values in ranked]
-
-
 def test_solo_repeat_and_solo_margins_agree_with_a_bare_client(vllm, prompts, audited):
     """mgbench's verdict on a request alone twice agrees with a bare client's on the same server;
     where the server repeats alone, mgbench's solo answers and every solo margin (sequences and
@@ -113,9 +106,9 @@ def test_solo_repeat_and_solo_margins_agree_with_a_bare_client(vllm, prompts, au
     by_prompt = {tuple(p): solo for p, solo in zip(prompts, solos)}
     for row in sequences.itertuples():
         ids, tops = by_prompt[tuple(row.prompt_ids)]
-        assert list(row.solo_ids) == ids and list(row.solo_margins) == own_margins(tops)
+        assert list(row.solo_ids) == ids and list(row.solo_margins) == raw_margins(tops)
         mine = steps[(steps["batch_id"] == row.batch_id) & (steps["row"] == row.row)].sort_values("step")
-        assert mine["solo_margin"].tolist() == own_margins(tops)[: len(mine)]
+        assert mine["solo_margin"].tolist() == raw_margins(tops)[: len(mine)]
 
 
 def test_positive_control_drift_reported_as_measured_by_a_bare_client(vllm, prompts, audited):
