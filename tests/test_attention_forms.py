@@ -68,6 +68,37 @@ def test_probe_refuses_a_grouped_form_that_is_planted_inexact(monkeypatch):
     assert report.plan.attention == PER_ROW and report.exact
 
 
+def test_probe_checks_groups_of_several_rows_even_where_its_own_pads_leave_every_group_single(monkeypatch):
+    """PLANTED: a grouped call that masks any key (a row padded inside its group) moves its first
+    element, standing in for a kernel whose lanes shift with the padding (8-aligned groups on a
+    16-lane CPU). The probe's own pads 0-5 put every row of 6 in a group of its own for every width,
+    so its calls alone pass any aligned form; it must also check real calls re-padded into groups
+    of several rows, and refuse them all. Without the plant, the re-padded check itself must agree
+    with per row wherever it passes an aligned form (the clean side)."""
+    real = forms.sdpa_call
+
+    def lane_shifted(module, query, key, value, mask, scaling):
+        out = real(module, query, key, value, mask, scaling)
+        if bool(torch.isinf(mask).any()):
+            out.view(-1)[0] += 0.125
+        return out
+
+    with torch.inference_mode():
+        clean = probe_model(tiny_llama(), PROMPT, rows=6)
+    monkeypatch.setattr(forms, "sdpa_call", lane_shifted)
+    with torch.inference_mode():
+        report = probe_model(tiny_llama(), PROMPT, rows=6)
+    verdicts = {f.name: f for f in report.findings if f.op == "attention form"}
+    for align in forms.ALIGNMENTS:
+        finding = verdicts[AttentionForm("aligned", align).label]
+        assert not finding.invariant and finding.varies_at, align
+        assert set(finding.varies_at) <= set(forms.grouping_pads(6, align))
+    assert report.plan.attention == PER_ROW and report.exact
+    print("\n[this machine] aligned forms exact without the plant:", [
+        f.name.split(",")[0] for f in clean.findings if f.op == "attention form" and f.invariant
+    ])
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_the_probe_chooses_an_exact_form_and_the_mode_is_solo_bitwise(kv_heads):
     """Whatever form the probe picks here, it equals per-row attention on the probe's calls and on

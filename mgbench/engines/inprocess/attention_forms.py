@@ -153,6 +153,37 @@ def form_verdict(calls, pads: list[int], form: AttentionForm) -> tuple[bool, flo
     return not differing, worst, sorted(differing)
 
 
+def grouping_pads(rows: int, align: int) -> list[int]:
+    """Pads that put several rows in each aligned group at different multiples of `align`: rows
+    alternate between residues 0 and align/2 + 1, at 0, 1 and 2 times `align` beyond it. The probe's
+    own pads (0, 1, 2, ...) leave every group a single row while rows <= align, so a form checked only
+    there is exact vacuously (an 8-lane grouping passed there and failed on a 16-lane CPU's real pads)."""
+    return [(r % 2) * (align // 2 + 1) + align * ((r // 2) % 3) for r in range(rows)]
+
+
+def repadded_call(call, pads: list[int], new_pads: list[int], keys: int) -> tuple:
+    """A captured call (base, module, query, key, value, kwargs) whose rows sit at `new_pads` in
+    `keys` more positions than the largest of them: each row's own real keys, cycled where it has
+    fewer than it now needs. Returns the call with its per-row reference, as `form_verdict` takes it."""
+    base, module, query, key, value, kwargs = call
+    total = max(new_pads) + keys
+    k = key.new_zeros((key.shape[0], key.shape[1], total, key.shape[3]))
+    v = value.new_zeros((value.shape[0], value.shape[1], total, value.shape[3]))
+    for r, (old, new) in enumerate(zip(pads, new_pads)):
+        taken = old + torch.arange(total - new, device=key.device) % (key.shape[2] - old)
+        k[r, :, new:] = key[r, :, taken]
+        v[r, :, new:] = value[r, :, taken]
+    return base, module, query, k, v, kwargs, per_row(base, module, query, k, v, new_pads, **kwargs)
+
+
+def regrouped_calls(calls: list[tuple], pads: list[int], align: int) -> list[tuple]:
+    """The first and last captured calls at `grouping_pads`, at every length of 64 consecutive ones
+    (64-127 keys past the largest pad): whether a masked group call equals the solo calls depends on
+    the key count too (on a 16-lane CPU, 8-aligned groups differed at 36 of 64 lengths)."""
+    new_pads = grouping_pads(len(pads), align)
+    return [repadded_call(call[:6], pads, new_pads, keys) for call in (calls[0], calls[-1]) for keys in range(64, 128)]
+
+
 def synthetic_long_calls(call, pads: list[int], lengths=(KV_BLOCK // 2 + 3, KV_BLOCK, KV_BLOCK + 40)) -> list[tuple]:
     """The captured call's module on random keys of other lengths (up to a kernel block and past
     it), so a form is checked beyond the probe prompt's length: call tuples with their per-row
