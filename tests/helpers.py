@@ -63,6 +63,69 @@ class RowCountPerturbedLinear(torch.nn.Linear):
         return out + self.delta
 
 
+class _PlantedLinear(torch.nn.Linear):
+    """A copy of `linear` whose forward a planted variance changes (`rows`: the GEMM's M, every
+    leading dimension folded, as a vendor kernel sees it)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            dtype=linear.weight.dtype,
+            device=linear.weight.device,
+        )
+        self.load_state_dict(linear.state_dict())
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, x.shape[-1])
+
+
+class SplitKAboveLinear(_PlantedLinear):
+    """PLANTED VARIANCE: above `invariant_up_to` rows the reduction over the input features runs in
+    two halves, each rounded to the dtype and then added (a split-K GEMM), as the Xeon's oneDNN
+    changes kernel above 32 rows: real rounding differences, not an offset."""
+
+    def __init__(self, linear: torch.nn.Linear, invariant_up_to: int):
+        super().__init__(linear)
+        self.invariant_up_to = invariant_up_to
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.rows(x)
+        if rows.shape[0] <= self.invariant_up_to:
+            return super().forward(x)
+        half = self.in_features // 2
+        out = torch.nn.functional.linear(rows[:, :half], self.weight[:, :half]) + torch.nn.functional.linear(
+            rows[:, half:], self.weight[:, half:], self.bias
+        )
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class PositionDependentLinear(_PlantedLinear):
+    """PLANTED VARIANCE: in a call of more than one row, rows at odd positions are offset by 0.05
+    (a kernel whose bits depend on where a row sits in the call)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.rows(x)
+        out = torch.nn.functional.linear(rows, self.weight, self.bias)
+        if rows.shape[0] > 1:
+            out[1::2] += 0.05
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class NeighbourDependentLinear(_PlantedLinear):
+    """PLANTED VARIANCE: each row is offset by 0.05 * tanh(the sum of the other rows of its call)
+    (a kernel whose bits depend on the other rows' content): alone, or beside zero padding, nothing
+    moves; beside a copy of itself or other rows, it does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.rows(x)
+        out = torch.nn.functional.linear(rows, self.weight, self.bias)
+        sums = rows.float().sum(-1)
+        out += (0.05 * torch.tanh(sums.sum() - sums)).unsqueeze(-1).to(out.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
 def runner_up_past_top(logits: torch.Tensor, below: float) -> torch.Tensor:
     """Where a position's top-1/top-2 margin is below `below`, its runner-up logit becomes one step
     (of the logits' dtype) above the top-1: the argmax moves there, certainly, at a margin of one

@@ -94,9 +94,10 @@ def test_probe_checks_groups_of_several_rows_even_where_its_own_pads_leave_every
         assert not finding.invariant and finding.varies_at, align
         assert set(finding.varies_at) <= set(forms.grouping_pads(6, align))
     assert report.plan.attention == PER_ROW and report.exact
-    print("\n[this machine] aligned forms exact without the plant:", [
-        f.name.split(",")[0] for f in clean.findings if f.op == "attention form" and f.invariant
-    ])
+    print(
+        "\n[this machine] aligned forms exact without the plant:",
+        [f.name.split(",")[0] for f in clean.findings if f.op == "attention form" and f.invariant],
+    )
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])

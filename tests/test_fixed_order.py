@@ -11,7 +11,15 @@ import json
 
 import pytest
 import torch
-from helpers import RowCountPerturbedLinear, plant_near_ties, random_prompts, tiny_llama
+from helpers import (
+    NeighbourDependentLinear,
+    PositionDependentLinear,
+    RowCountPerturbedLinear,
+    SplitKAboveLinear,
+    plant_near_ties,
+    random_prompts,
+    tiny_llama,
+)
 from typer.testing import CliRunner
 
 from mgbench.cli import app
@@ -174,22 +182,112 @@ def test_probe_rejects_a_planted_key_length_dependence_and_falls_back_per_row(pl
     assert flips_and_diffs(wrong)[1] > 0
 
 
-def test_probe_rejects_a_planted_row_count_dependent_linear():
-    """Past 4 rows the planted down projection offsets its output: neither as is nor "never one row"
-    is exact, so the probe runs it per row (and says so); with 1 row as the only exception, "never one
-    row" is exact, the form chosen where a machine's GEMM differs at one row only."""
-    for invariant_up_to, expected in ((4, "per-row"), (1, "never-one-row")):
-        model = gqa_model()
-        mlp = model.model.layers[1].mlp
-        mlp.down_proj = RowCountPerturbedLinear(mlp.down_proj, invariant_up_to=invariant_up_to)
-        prompts = random_prompts(LENGTHS, vocab=8192, seed=7)
-        with torch.inference_mode():
-            probe = probe_fixed_order(model, prompts, rows=len(prompts))
-        assert probe.plan.forms["model.layers.1.mlp.down_proj"] == expected
-        if expected == "per-row":
-            assert any("down_proj" in line and "per row" in line for line in probe.fallbacks)
-        _, forced, _ = audit(model, prompts, Kernels("fixed-order", probe.plan), steps=5)
-        assert flips_and_diffs(forced)[1] == 0.0
+def test_never_one_row_where_a_gemm_differs_at_one_row_only():
+    """PLANTED: with more than one row the down projection offsets its output; every count from 2
+    up equals two, so "never one row" is exact, the form chosen where a machine's GEMM differs at one
+    row only (the AVX-512 EPYC's down_proj)."""
+    model = gqa_model()
+    mlp = model.model.layers[1].mlp
+    mlp.down_proj = RowCountPerturbedLinear(mlp.down_proj, invariant_up_to=1)
+    prompts = random_prompts(LENGTHS, vocab=8192, seed=7)
+    with torch.inference_mode():
+        probe = probe_fixed_order(model, prompts, rows=len(prompts))
+    assert probe.plan.forms["model.layers.1.mlp.down_proj"] == "never-one-row" and probe.plan.tile is None
+    _, forced, _ = audit(model, prompts, Kernels("fixed-order", probe.plan), steps=5)
+    assert flips_and_diffs(forced)[1] == 0.0
+
+
+def part_verdicts(probe, part_prefix: str) -> dict:
+    return {v.label: v for v in probe.verdicts if v.part.startswith(part_prefix)}
+
+
+def test_a_gemm_that_changes_its_summation_above_32_rows_runs_in_chunks_or_tiles_at_batch_64():
+    """PLANTED, standing in for the AMX Xeon's oneDNN: every MLP projection sums its inputs in two
+    rounded halves above 32 rows. At batch 64 neither as is nor "never one row" is exact; chunks of at
+    most 32 rows or tiles (every call one shape) are, and the probe takes one of them, not per row.
+    The run at batch 64 is bitwise its fixed-order solo; the same plan without the forms is not (the
+    plant reaches the run). What each form costs on the probe batch is printed."""
+    model = gqa_model()
+    for layer in model.model.layers:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(layer.mlp, name, SplitKAboveLinear(getattr(layer.mlp, name), invariant_up_to=32))
+    prompts = random_prompts([(5 + 17 * i) % 140 + 3 for i in range(64)], vocab=8192, seed=11)
+    with torch.inference_mode():
+        probe = probe_fixed_order(model, prompts, rows=64)
+    verdicts = part_verdicts(probe, "linear mlp.down_proj")
+    assert not verdicts["as-is"].exact and verdicts["as-is"].rows_differing > 0
+    assert not verdicts["never-one-row"].exact
+    assert not verdicts["chunks of <= 64 rows"].exact if "chunks of <= 64 rows" in verdicts else True
+    assert all(verdicts[f"chunks of <= {t} rows"].exact for t in (8, 16, 32))
+    form, tile = probe.plan.forms["model.layers.0.mlp.down_proj"], probe.plan.tile
+    assert (form == "chunks" and tile <= 32) or form == "tiles", (form, tile)
+    assert probe.plan.describe()["tile_rows"] == tile
+    chosen = next(v for v in verdicts.values() if v.chosen)
+    print(
+        f"\n[this machine] planted 32-row GEMM at 64 rows: {chosen.label} {chosen.ms:.3g} ms, "
+        + ", ".join(f"{label} {v.ms:.3g} ms" for label, v in verdicts.items() if v is not chosen)
+    )
+    solos, forced, free = audit(model, prompts, Kernels("fixed-order", probe.plan), steps=4)
+    assert flips_and_diffs(forced)[1] == 0.0 and free.tokens == [s.tokens.tolist() for s in solos]
+    unformed = FixedOrderPlan(probe.plan.chunk, {}, probe.plan.attention)
+    _, wrong, _ = audit(model, prompts, Kernels("fixed-order", unformed), steps=4)
+    assert flips_and_diffs(wrong)[1] > 0
+
+
+def test_a_user_set_tile_is_the_only_one_tried():
+    model = gqa_model()
+    mlp = model.model.layers[0].mlp
+    mlp.down_proj = SplitKAboveLinear(mlp.down_proj, invariant_up_to=4)
+    prompts = random_prompts(LENGTHS, vocab=8192, seed=12)
+    with torch.inference_mode():
+        probe = probe_fixed_order(model, prompts, rows=len(prompts), tile=4)
+    assert probe.tiles_tried == [4] and probe.plan.tile == 4
+    assert probe.plan.forms["model.layers.0.mlp.down_proj"] == "chunks"
+    assert {3, 4, 5} <= set(probe.batch_sizes)  # around the tile's edge
+    _, forced, _ = audit(model, prompts, Kernels("fixed-order", probe.plan), steps=4)
+    assert flips_and_diffs(forced)[1] == 0.0
+
+
+@pytest.mark.parametrize("planted", [PositionDependentLinear, NeighbourDependentLinear])
+def test_a_row_whose_bits_depend_on_its_place_or_its_neighbours_refuses_tiles(planted):
+    """PLANTED: the down projection's rows depend on their position in the call, or on whether the
+    call's other rows hold anything (a zero-padded solo tile does not): no chunk or tile of any size
+    is exact, the probe runs it per row (said, with its cost), and the run stays exact."""
+    model = gqa_model()
+    for layer in model.model.layers:
+        layer.mlp.down_proj = planted(layer.mlp.down_proj)
+    prompts = random_prompts(LENGTHS * 2, vocab=8192, seed=13)
+    with torch.inference_mode():
+        probe = probe_fixed_order(model, prompts, rows=len(prompts))
+    verdicts = part_verdicts(probe, "linear mlp.down_proj")
+    tiled = [v for v in verdicts.values() if v.form in ("chunks", "tiles")]
+    assert {v.tile for v in tiled} == {8, 16} and not any(v.exact for v in tiled)
+    assert probe.plan.forms["model.layers.0.mlp.down_proj"] == "per-row"
+    assert any("down_proj" in line and "runs per row" in line and " ms per row" in line for line in probe.fallbacks)
+    _, forced, _ = audit(model, prompts, Kernels("fixed-order", probe.plan), steps=4)
+    assert flips_and_diffs(forced)[1] == 0.0
+
+
+def test_tile_forms_equal_the_module_on_every_row_and_pad_with_zeros():
+    from mgbench.engines.inprocess.fixed_order import in_chunks, in_tiles, run_in_form
+
+    calls = []
+
+    def forward(rows):
+        calls.append(tuple(rows.shape))
+        return rows * 2
+
+    x = torch.arange(14.0).view(7, 1, 2)
+    assert torch.equal(run_in_form(forward, "tiles", x, 3), x * 2) and calls == [(3, 2)] * 3
+    calls.clear()
+    assert torch.equal(run_in_form(forward, "chunks", x, 3), x * 2) and calls == [(3, 2), (3, 2), (1, 2)]
+    calls.clear()
+    assert torch.equal(in_tiles(lambda r: r + 1, torch.ones(1, 2), 4), torch.full((1, 2), 2.0))
+    assert torch.equal(in_chunks(forward, torch.ones(2, 2), 4), torch.full((2, 2), 2.0)) and calls == [(2, 2)]
+    with pytest.raises(ValueError, match="needs a tile size"):
+        run_in_form(forward, "tiles", x)
+    with pytest.raises(ValueError, match="needs its tile size"):
+        FixedOrderPlan(forms={"a": "chunks"})
 
 
 def test_a_chunk_in_one_forward_equals_step_by_step_and_a_planted_query_count_dependence_is_caught(monkeypatch):

@@ -21,11 +21,12 @@ from mgbench.cli.options import (
     OutOpt,
     SeedOpt,
     SortOpt,
+    TileRowsOpt,
     TpPlanOpt,
     default_out,
 )
 from mgbench.errors import UserError
-from mgbench.runs.options import RunOptions
+from mgbench.runs.options import RunOptions, check_tile_rows
 from mgbench.runs.placement import Placement
 
 
@@ -59,6 +60,7 @@ def compare(
             "increments' base, always runs), e.g. `fixed-order,window,margin` ."
         ),
     ),
+    tile_rows: Optional[int] = TileRowsOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Compare MarginGate with always-on verification, the oracle floor, batch-invariant attention and solo decoding.
@@ -103,6 +105,7 @@ def compare(
         from mgbench.pipelines.compare import run_compare  # loads torch
 
         policy_specs("margin", "exact", tau, unit)  # validates the threshold
+        check_tile_rows(tile_rows)
         if repeats < 1:
             raise UserError(f"--repeats must be at least 1 (got {repeats})")
         placement = Placement.resolve(None, False, tp_plan, out)
@@ -112,5 +115,13 @@ def compare(
         if only is not None and not prefixes:
             raise UserError("--only is empty: give configuration name prefixes such as window,margin")
         run_compare(
-            options, placement, tau, unit, repeats, out or default_out("compare", model, dataset), json_out, prefixes
+            options,
+            placement,
+            tau,
+            unit,
+            repeats,
+            out or default_out("compare", model, dataset),
+            json_out,
+            prefixes,
+            tile_rows,
         )

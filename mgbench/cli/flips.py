@@ -22,6 +22,7 @@ from mgbench.cli.options import (
     DtypeOpt,
     JsonOpt,
     KernelsOpt,
+    TileRowsOpt,
     LimitOpt,
     MaxNewOpt,
     ModelOpt,
@@ -61,6 +62,7 @@ def flips(
     tp_plan: Optional[str] = TpPlanOpt,
     batch_invariant: bool = BatchInvariantOpt,
     kernels: str = KernelsOpt,
+    tile_rows: Optional[int] = TileRowsOpt,
     require_determinism: Optional[float] = typer.Option(
         None, "--require-determinism", help="Exit 1 when the share of sequences equal to solo is below this (e.g. 1.0)."
     ),
@@ -188,6 +190,7 @@ def flips(
             tp_plan=tp_plan,
             batch_invariant=batch_invariant,
             kernels=kernels,
+            tile_rows=tile_rows,
         )
         spec = GateSpec(Thresholds(require_determinism, max_flip_rate), baseline, alpha)
         check_output_file(junit, "--junit")

@@ -14,6 +14,7 @@ from mgbench.cli.options import (
     DeviceOpt,
     DtypeOpt,
     KernelsOpt,
+    TileRowsOpt,
     ModelOpt,
     OutOpt,
     SeedOpt,
@@ -37,6 +38,7 @@ def probe(
     device: str = DeviceOpt,
     attn: str = AttnOpt,
     kernels: str = KernelsOpt,
+    tile_rows: Optional[int] = TileRowsOpt,
     json_out: bool = typer.Option(False, "--json", help="Print probe.json on stdout instead of the table."),
     out: Optional[Path] = OutOpt,
     debug: bool = DebugOpt,
@@ -77,6 +79,7 @@ def probe(
             device=device,
             attn=attn,
             kernels=kernels,
+            tile_rows=tile_rows,
         )
         from mgbench.pipelines.probe import run_probe  # loads torch
 

@@ -21,6 +21,7 @@ from mgbench.cli.options import (
     DtypeOpt,
     JsonOpt,
     KernelsOpt,
+    TileRowsOpt,
     ModelOpt,
     OutOpt,
     PrefillOpt,
@@ -80,6 +81,7 @@ def verify(
     tp_plan: Optional[str] = TpPlanOpt,
     batch_invariant: bool = BatchInvariantOpt,
     kernels: str = KernelsOpt,
+    tile_rows: Optional[int] = TileRowsOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Verify: decode in batches under a verification policy; every output must equal its solo reference.
@@ -131,6 +133,7 @@ def verify(
             tp_plan=tp_plan,
             batch_invariant=batch_invariant,
             kernels=kernels,
+            tile_rows=tile_rows,
         )
         if threshold is not None and threshold_from is not None:
             raise UserError("give --threshold or --threshold-from, not both")

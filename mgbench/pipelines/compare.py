@@ -136,6 +136,7 @@ def time_configurations(
     repeats: int,
     on_progress: ProgressFn,
     only: tuple[str, ...] | None = None,
+    tile_rows: int | None = None,
 ) -> tuple[pd.DataFrame, dict]:
     model, tokenizer, device = lm.model, lm.tokenizer, lm.device
     eos_ids = eos_token_ids(model, tokenizer)
@@ -153,7 +154,7 @@ def time_configurations(
     uses_fixed = any(c.replay is not None or c.name == "fixed-order kernels" for c in configs)
     # Replays feed up to REPLAY_CHUNK tokens in one forward: the probe checks a chunk that long.
     chunk = min(REPLAY_CHUNK, max(2, run.max_new_tokens))
-    fixed_probe = fixed_order_probe_for_run(lm, run, batch_size, chunk) if uses_fixed else None
+    fixed_probe = fixed_order_probe_for_run(lm, run, batch_size, chunk, tile_rows) if uses_fixed else None
     if fixed_probe is not None and not fixed_probe.chunk_vs_steps["exact"]:
         err_console.print(
             f"[bold yellow]fixed-order: a {chunk}-token chunk differs from its steps "
@@ -282,6 +283,7 @@ def run_compare(
     out: Path,
     json_out: bool = False,
     only: tuple[str, ...] | None = None,
+    tile_rows: int | None = None,
 ) -> None:
     """`mgbench compare` from validated options to compare.parquet, its plots and its report."""
     configs = len(configurations(tau, unit, only))  # an unknown --only prefix fails before anything loads
@@ -304,7 +306,7 @@ def run_compare(
         batch_size, (runs, extra) = run_shrinking_on_oom(
             options.batch_sizes[0],
             lambda size: time_configurations(
-                lm, run, tau, unit, size, repeats, lambda phase, n: progress.advance(tasks[phase], n), only
+                lm, run, tau, unit, size, repeats, lambda phase, n: progress.advance(tasks[phase], n), only, tile_rows
             ),
             shrink,
         )

@@ -54,15 +54,19 @@ def run_summary(report: ProbeReport) -> dict:
     }
 
 
-def fixed_order_probe_for_run(lm, run, batch_size: int | None = None, chunk_tokens: int = 8) -> FixedOrderProbe:
+def fixed_order_probe_for_run(
+    lm, run, batch_size: int | None = None, chunk_tokens: int = 8, tile: int | None = None
+) -> FixedOrderProbe:
     """The fixed-order forms probed on this run's own prompts (cut to PROBE_MAX_TOKENS), as many
-    rows as its largest batch; a chunk of `chunk_tokens` checked against its steps."""
+    rows as its largest batch; a chunk of `chunk_tokens` checked against its steps; chunks and tiles
+    of `tile` rows (default: the run's --tile-rows, else each size the probe tries)."""
     rows = probe_rows(batch_size if batch_size is not None else max(run.options.batch_sizes))
     prompts = [
         torch.tensor(datasets.encode(lm.tokenizer, run.config, r.text)[:PROBE_MAX_TOKENS], device=lm.device)
         for r in run.requests
     ]
-    return probe_fixed_order(lm.model, prompts, rows, chunk_tokens=chunk_tokens)
+    tile = tile if tile is not None else run.options.tile_rows
+    return probe_fixed_order(lm.model, prompts, rows, chunk_tokens=chunk_tokens, tile=tile)
 
 
 def fixed_order_summary(probe: FixedOrderProbe) -> dict:
@@ -76,6 +80,14 @@ def fixed_order_summary(probe: FixedOrderProbe) -> dict:
     }
 
 
+def plan_line(plan) -> str:
+    """A fixed-order plan in one clause: attention form, modules per form, the tile size T."""
+    described = plan.describe()
+    modules = ", ".join(f"{n} modules {form}" for form, n in described["modules"].items()) or "every module as is"
+    tile = f"T = {plan.tile} rows" if plan.tile else "no tile needed"
+    return f"attention {plan.attention}, {modules}; {tile}"
+
+
 def kernels_for_run(lm, run, batch_size: int | None = None) -> tuple[Kernels, FixedOrderProbe | None]:
     """The kernel set a run decodes with; a fixed-order run is probed first, said in one line
     (and one more per part that fell back to per row, with its cost)."""
@@ -84,11 +96,9 @@ def kernels_for_run(lm, run, batch_size: int | None = None) -> tuple[Kernels, Fi
     rows = probe_rows(batch_size if batch_size is not None else max(run.options.batch_sizes))
     with err_console.status(f"probing the fixed-order forms on {rows} real prompts, batch sizes 1..{rows}"):
         probe = fixed_order_probe_for_run(lm, run, batch_size)
-    plan = probe.plan.describe()
-    modules = ", ".join(f"{n} modules {form}" for form, n in plan["modules"].items()) or "every module as is"
     err_console.print(
-        f"[green]fixed-order kernels: attention {probe.plan.attention}, {modules}; reference: solo through "
-        f"the same kernels[/] (probe: {probe.rows} rows, {probe.seconds:.0f} s)",
+        f"[green]fixed-order kernels: {plan_line(probe.plan)}; reference: solo through the same kernels[/] "
+        f"(probe: {probe.rows} rows, {probe.seconds:.0f} s)",
         highlight=False,
     )
     for line in probe.fallbacks:

@@ -36,6 +36,11 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def check_tile_rows(tile_rows: int | None) -> None:
+    if tile_rows is not None and not 1 <= tile_rows <= 4096:
+        raise UserError(f"--tile-rows must be between 1 and 4096 (got {tile_rows})")
+
+
 @dataclass(frozen=True)
 class RunOptions:
     model: str = DEFAULT_MODEL
@@ -52,6 +57,7 @@ class RunOptions:
     tp_plan: str | None = None  # transformers tensor parallelism ("auto") under torchrun
     batch_invariant: bool = False  # stock kernels made to reproduce stock solo decoding in a batch (probed)
     kernels: str = "stock"  # or "fixed-order": every forward, the solo reference's too, in fixed-order kernels
+    tile_rows: int | None = None  # T of the fixed-order chunks and tiles forms (None: the probe's cheapest)
 
     def __post_init__(self) -> None:
         if any(b < 1 for b in self.batch_sizes):
@@ -84,6 +90,9 @@ class RunOptions:
             )
         if self.kernels == "fixed-order" and self.prefill != "alone":
             raise UserError("--kernels fixed-order prefills each request alone: drop --prefill batched")
+        if self.tile_rows is not None and self.kernels != "fixed-order":
+            raise UserError("--tile-rows sets the fixed-order kernels' tile: add --kernels fixed-order")
+        check_tile_rows(self.tile_rows)
         if self.kernels == "fixed-order" and self.tp_plan is not None:
             raise UserError("--kernels fixed-order runs on one device: drop --tp-plan")
         if self.tp_plan not in (None, "auto"):

@@ -10,9 +10,11 @@ promise), not stock solo decoding (what `--batch-invariant` reproduces, at solo 
   within each chunk by fixed-shape ops, then across chunks by a sequential scan (cumsum) from
   position 0, so keys past a row's end (masked, exact zeros) never reorder its sums. Queries of a
   multi-token forward are folded into the items: each takes exactly a decode step's reductions.
-- Row-wise modules (linear layers, norms, ...) in a form the probe found exact on this machine:
-  as they are, "never one row" (a one-row input runs as two identical rows, where every row count
-  from 2 up equals two), or per row (the fallback, exact by construction).
+- Row-wise modules (linear layers, the lm_head, norms, ...) in the first form the probe found exact
+  on this machine, in this order: as they are; "never one row" (a one-row input runs as two
+  identical rows, where every row count from 2 up equals two); chunks of at most T rows; tiles of
+  exactly T rows, the last zero-padded, so the vendor kernel only ever sees one shape; per row (the
+  fallback, exact by construction). T is the probe's cheapest exact one, or the user's.
 
 Prefill stays alone per request with the stock kernels: it is one call per request, the same in
 the solo and the batched run.
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, StockAlignedCache, chunks_for
-from mgbench.engines.inprocess.batch_invariant import run_in_chunks, wrapped_attention
+from mgbench.engines.inprocess.batch_invariant import wrapped_attention
 
 CHUNK = 64  # keys per reduction chunk (the probe checks it)
 _CACHE: ContextVar[StartAlignedCache | None] = ContextVar("mgbench_fixed_order_cache", default=None)
@@ -129,59 +131,110 @@ def _attention(base, module, query, key, value, attention_mask, **kwargs):
 
 # --- row-wise modules ------------------------------------------------------------------------
 
+# The forms a row-wise module can run in, cheapest first; the probe takes the first it finds exact.
+# A vendor GEMM picks its kernel (and its reduction order) from the row count: oneDNN on an AMX
+# Xeon changes kernel above 32 rows, cuBLAS picks tiles and split-K by M. "chunks" keeps every call
+# at T rows or fewer (exact where every such count is); "tiles" gives every call exactly T rows, the
+# last zero-padded, so the kernel only ever sees [T, features]: what a GPU needs. Per row is the
+# solo call itself, exact by construction, and the fallback.
+ROW_FORMS = ("as-is", "never-one-row", "chunks", "tiles", "per-row")
+TILED_FORMS = ("chunks", "tiles")
 
-def never_one_row(forward, rows: torch.Tensor) -> torch.Tensor:
+
+def never_one_row(forward, rows: torch.Tensor, tile: int | None = None) -> torch.Tensor:
     """[rows, features]: a one-row input runs as two identical rows (materialized, not a stride-0 view)."""
     return forward(torch.cat([rows, rows]))[:1] if rows.shape[0] == 1 else forward(rows)
 
 
-def run_in_form(forward, form: str, x: torch.Tensor) -> torch.Tensor:
-    """`forward` on x [..., features] in `form`. The changed forms see the rows as one 2-D matrix
-    [rows, features] (a batch step's [B, 1, d] and a replay's [1, q, d] alike: the GEMM's own view)."""
-    if form not in ("never-one-row", "per-row"):
+def in_chunks(forward, rows: torch.Tensor, tile: int) -> torch.Tensor:
+    """[rows, features] in consecutive calls of at most `tile` rows (per row: tile 1)."""
+    if rows.shape[0] <= tile:
+        return forward(rows)
+    return torch.cat([forward(part) for part in rows.split(tile)])
+
+
+def in_tiles(forward, rows: torch.Tensor, tile: int) -> torch.Tensor:
+    """[rows, features] in calls of exactly `tile` rows, the last one zero-padded (a solo row is one
+    padded tile); the padding's outputs are dropped."""
+    count = rows.shape[0]
+    short = -count % tile
+    if short:
+        rows = torch.cat([rows, rows.new_zeros((short, rows.shape[1]))])
+    return in_chunks(forward, rows, tile)[:count]
+
+
+def per_row(forward, rows: torch.Tensor, tile: int | None = None) -> torch.Tensor:
+    return in_chunks(forward, rows, 1)
+
+
+_RUNNERS = {"never-one-row": never_one_row, "chunks": in_chunks, "tiles": in_tiles, "per-row": per_row}
+
+
+def run_in_form(forward, form: str, x: torch.Tensor, tile: int | None = None) -> torch.Tensor:
+    """`forward` on x [..., features] in `form` (`tile`: T of chunks and tiles). The changed forms see
+    the rows as one 2-D matrix [rows, features] (a batch step's [B, 1, d] and a replay's [1, q, d]
+    alike: the GEMM's own view)."""
+    if form == "as-is":
         return forward(x)
+    if form in TILED_FORMS and not tile:
+        raise ValueError(f"form {form!r} needs a tile size")
     rows = x.reshape(-1, x.shape[-1])
-    out = never_one_row(forward, rows) if form == "never-one-row" else run_in_chunks(forward, rows, (1,))
+    out = _RUNNERS[form](forward, rows, tile)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def form_label(form: str, tile: int | None) -> str:
+    """How a form is said in status lines and reports ("chunks of <= 32 rows", "tiles of 32 rows")."""
+    if form == "chunks":
+        return f"chunks of <= {tile} rows"
+    if form == "tiles":
+        return f"tiles of {tile} rows (zero-padded)"
+    return form
 
 
 @dataclass(frozen=True)
 class FixedOrderPlan:
     """What the fixed-order mode runs on this machine (from `fixed_order_probe`).
 
-    `forms`: module name -> form for every row-wise module not run as is (linear layers
-    "never-one-row" where exact, anything the probe found varying "per-row")."""
+    `forms`: module name -> form for every row-wise module not run as is; `tile`: T, the rows per
+    call of the "chunks" and "tiles" forms (None where no module needs one)."""
 
     chunk: int = CHUNK
     forms: dict[str, str] = field(default_factory=dict)
     attention: str = "batched"  # or "per-row" where the probe found the batched form not exact
     fallbacks: tuple[str, ...] = ()  # lines saying which parts fell back to per row, and why
+    tile: int | None = None
+
+    def __post_init__(self) -> None:
+        if any(form in TILED_FORMS for form in self.forms.values()) and not self.tile:
+            raise ValueError("a plan with chunks or tiles needs its tile size")
 
     def describe(self) -> dict:
         labels: dict[str, list[str]] = {}
         for name, form in self.forms.items():
-            labels.setdefault(form, []).append(name)
+            labels.setdefault(form_label(form, self.tile), []).append(name)
         how = "one call for the batch" if self.attention == "batched" else "per row (fallback)"
         return {
             "attention": f"fixed-order ({how}; fp32, {self.chunk}-key chunks from position 0, start-aligned cache)",
             "modules": {form: len(names) for form, names in labels.items()},
+            "tile_rows": self.tile,
             "fallbacks": list(self.fallbacks),
         }
 
 
 @contextmanager
-def module_forms(model, forms: dict[str, str]):
-    """Modules named in `forms` run in their form inside fixed-order forwards (a prefill alone keeps
-    the stock kernels, as the module docstring says); their own forward comes back afterwards."""
+def module_forms(model, plan: FixedOrderPlan):
+    """Modules named in the plan's forms run in their form inside fixed-order forwards (a prefill
+    alone keeps the stock kernels, as the module docstring says); their own forward comes back afterwards."""
     named = dict(model.named_modules())
     patched = []  # (module, the instance forward it had, if any: a hook's)
     try:
-        for name, form in forms.items():
+        for name, form in plan.forms.items():
             module = named[name]
             previous = module.__dict__.get("forward")
             forward = previous or type(module).forward.__get__(module)
             module.forward = lambda x, forward=forward, form=form: (
-                run_in_form(forward, form, x) if isinstance(_CACHE.get(), StartAlignedCache) else forward(x)
+                run_in_form(forward, form, x, plan.tile) if isinstance(_CACHE.get(), StartAlignedCache) else forward(x)
             )
             patched.append((module, previous))
         yield
@@ -211,7 +264,7 @@ def fixed_order_kernels(model, plan: FixedOrderPlan):
     a forward without the aligned cache (a prefill alone) runs the stock attention."""
     with ExitStack() as stack:
         stack.enter_context(aligned_attention(model, plan))
-        stack.enter_context(module_forms(model, plan.forms))
+        stack.enter_context(module_forms(model, plan))
         yield
 
 

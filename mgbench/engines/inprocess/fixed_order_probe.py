@@ -3,11 +3,15 @@
 The probe decodes a few steps of `rows` real prompts of unequal lengths together through the
 fixed-order kernels, capturing every row-wise leaf module's input and every attention call of the
 first, middle and last layer (and the lm_head). Each captured op is then recomputed on the first
-m rows for every m in `batch_sizes(rows)` (1, 2, 3, ... up to the largest) and compared bitwise,
-row by row, with the row computed alone through the same form: the reference a solo run computes.
-A form is exact when no row differs at any size. The plan takes, per part, the first exact form
-in the order `as-is`, `never-one-row`, `per-row` (attention: `batched`, `per-row`); per row is
-exact by construction (the solo call itself), so a part never lacks a form, and a fallback is said.
+m rows for every m in `batch_sizes(rows, tiles)` (1-16, every 8th up to the largest, and T-1, T,
+T+1, 2T+1 around each tile size T tried) and on all rows in reverse order (a row's bits must not
+depend on its position in a call nor on the other rows' content), and compared bitwise, row by
+row, with the row computed alone through the same form: the reference a solo run computes. A form
+is exact when no row differs anywhere. The plan takes, per part, the first exact form in the order
+`as-is`, `never-one-row`, `chunks` of at most T rows, `tiles` of exactly T rows, `per-row`
+(attention: `batched`, `per-row`); per row is exact by construction (the solo call itself), so a
+part never lacks a form, and a fallback is said with its cost. T is the tried size whose plan
+costs least on the probe batch (each form timed), or the one the user set.
 
 It also checks that a chunk of tokens fed in one forward gives the logits of the same tokens fed
 step by step (verification as a chunk needs that equality), and times each form.
@@ -16,7 +20,7 @@ step by step (verification as a chunk needs that equality), and times each form.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -24,12 +28,14 @@ from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, chunks_fo
 from mgbench.engines.inprocess.fixed_order import (
     _CACHE,
     CHUNK,
+    ROW_FORMS,
     FixedOrderPlan,
     attention_arguments,
     attention_in_form,
     fixed_order_forward,
     fixed_order_kernels,
     fixed_order_step,
+    form_label,
     run_in_form,
     wrapped_attention,
 )
@@ -37,8 +43,8 @@ from mgbench.engines.inprocess.invariance_probe import _time_ms  # synchronizes 
 from mgbench.engines.inprocess.kernels import row_prefills
 from mgbench.engines.inprocess.metrics import max_abs_diff
 
-ROW_FORMS = ("as-is", "never-one-row", "per-row")
 ATTENTION_FORMS = ("batched", "per-row")
+TILE_ROWS = (8, 16, 32, 64)  # the tile sizes T the probe tries where no row-count-free form is exact
 
 
 @dataclass
@@ -51,6 +57,11 @@ class FormVerdict:
     max_abs_diff: float
     ms: float | None  # one call over all probe rows
     chosen: bool = False
+    tile: int | None = None  # T of a chunks or tiles form
+
+    @property
+    def label(self) -> str:
+        return form_label(self.form, self.tile)
 
 
 @dataclass
@@ -63,6 +74,7 @@ class FixedOrderProbe:
     plan: FixedOrderPlan
     chunk_vs_steps: dict  # {"tokens", "rows", "rows_differing", "max_abs_diff", "exact"}
     seconds: float = 0.0
+    tiles_tried: list[int] = field(default_factory=list)
 
     @property
     def fallbacks(self) -> tuple[str, ...]:
@@ -78,14 +90,26 @@ class FixedOrderProbe:
             "plan": self.plan.describe(),
             "verdicts": [asdict(v) for v in self.verdicts],
             "chunk_vs_steps": self.chunk_vs_steps,
+            "tile_rows_tried": self.tiles_tried,
             "seconds": self.seconds,
         }
 
 
-def batch_sizes(rows: int) -> list[int]:
-    """Every size from 1 to 16, then every 8th, then the largest: the sizes runs use."""
-    sizes = list(range(1, min(rows, 16) + 1)) + list(range(24, rows + 1, 8))
-    return sorted(set(sizes + [rows]))
+def tile_sizes(rows: int, tile: int | None = None) -> list[int]:
+    """The tile sizes T to try: the user's, else TILE_ROWS up to the probe's rows (the smallest
+    always: a small batch may still need tiles, on a GPU)."""
+    if tile is not None:
+        return [tile]
+    return [t for t in TILE_ROWS if t <= max(rows, TILE_ROWS[0])]
+
+
+def batch_sizes(rows: int, tiles: list[int] = ()) -> list[int]:
+    """Every size from 1 to 16, then every 8th, then the largest: the sizes runs use; around each
+    tile size T, T-1, T, T+1 and 2T+1 (a call's rows across a tile's edge)."""
+    sizes = set(range(1, min(rows, 16) + 1)) | set(range(24, rows + 1, 8)) | {rows}
+    for t in tiles:
+        sizes |= {m for m in (t - 1, t, t + 1, 2 * t + 1) if 1 <= m <= rows}
+    return sorted(sizes)
 
 
 def sampled_layers(model) -> set[int]:
@@ -152,28 +176,51 @@ class _Capture:
             handle.remove()
 
 
-def _module_verdicts(model, capture: _Capture, sizes: list[int]) -> list[FormVerdict]:
+def _form_differs(forward, form: str, tile: int | None, x: torch.Tensor, sizes: list[int]) -> tuple[int, float]:
+    """(rows differing from the row alone, max |diff|) of `form` on captured rows x: on the first m
+    rows for every m in `sizes`, and on all rows reversed (other positions, other neighbours)."""
+    alone = [run_in_form(forward, form, x[r : r + 1], tile) for r in range(x.shape[0])]
+    differing, worst = 0, 0.0
+    for m in sizes:
+        d, w = _compare(run_in_form(forward, form, x[:m], tile), alone[:m])
+        differing, worst = differing + d, max(worst, w)
+    d, w = _compare(run_in_form(forward, form, x.flip(0), tile).flip(0), alone)
+    return differing + d, max(worst, w)
+
+
+def _module_verdicts(model, capture: _Capture, sizes: list[int], tiles: list[int]) -> list[FormVerdict]:
+    """Per part, forms in order until one is exact (as is, never one row), else chunks and tiles at
+    every tried T (tiles only where chunks of that T are not exact), and per row, each timed."""
     named = dict(model.named_modules())
     by_label: dict[str, list[str]] = {}
     for name in capture.modules:
         by_label.setdefault(_label(name, named[name]), []).append(name)
     verdicts = []
     for label, names in by_label.items():
-        forms = ROW_FORMS if isinstance(named[names[0]], torch.nn.Linear) else ("as-is", "per-row")
-        for form in forms:
+        forwards = {name: type(named[name]).forward.__get__(named[name]) for name in names}
+        first = capture.modules[names[0]][0]
+
+        def verdict(form: str, tile: int | None = None) -> FormVerdict:
             differing, worst = 0, 0.0
-            for name in names:
-                module = named[name]
-                forward = type(module).forward.__get__(module)
-                for x in capture.modules[name]:
-                    alone = [run_in_form(forward, form, x[r : r + 1]) for r in range(x.shape[0])]
-                    for m in sizes:
-                        d, w = _compare(run_in_form(forward, form, x[:m]), alone[:m])
+            if form != "per-row":  # per row is the solo call itself: exact by construction
+                for name in names:
+                    for x in capture.modules[name]:
+                        d, w = _form_differs(forwards[name], form, tile, x, sizes)
                         differing, worst = differing + d, max(worst, w)
-            module = named[names[0]]
-            forward, x = type(module).forward.__get__(module), capture.modules[names[0]][0]
-            ms = _time_ms(lambda: run_in_form(forward, form, x), x.device)
-            verdicts.append(FormVerdict(label, form, len(names), differing == 0, differing, worst, ms))
+            ms = _time_ms(lambda: run_in_form(forwards[names[0]], form, first, tile), first.device)
+            return FormVerdict(label, form, len(names), differing == 0, differing, worst, ms, tile=tile)
+
+        part = [verdict("as-is")]
+        if not part[-1].exact:
+            part.append(verdict("never-one-row"))
+        if not part[-1].exact:
+            for tile in tiles:
+                if tile < first.shape[0]:  # chunks of T >= the rows are the call as is
+                    part.append(verdict("chunks", tile))
+                if tile >= first.shape[0] or not part[-1].exact:
+                    part.append(verdict("tiles", tile))
+            part.append(verdict("per-row"))
+        verdicts += part
     return verdicts
 
 
@@ -200,39 +247,61 @@ def _attention_verdicts(capture: _Capture, sizes: list[int], chunk: int) -> list
     return verdicts
 
 
-def _choose(verdicts: list[FormVerdict], order: tuple[str, ...]) -> tuple[str, str | None]:
-    """(chosen form, a fallback line or None) for one part's verdicts."""
-    exact = {v.form for v in verdicts if v.exact}
-    form = next((f for f in order if f in exact), "per-row")
-    for v in verdicts:
-        v.chosen = v.form == form
-    if form == "per-row" and "per-row" != order[0]:
-        first, chosen = verdicts[0], next(v for v in verdicts if v.form == "per-row")
-        cost = f"{chosen.ms:.3g} ms per row against {first.ms:.3g} ms batched" if chosen.ms and first.ms else ""
-        return form, (
-            f"{first.part}: no batched form is exact here ({first.rows_differing} rows differ as is, "
-            f"max |diff| {first.max_abs_diff:.3g}); it runs per row ({cost} on the probe batch)"
-        )
-    return form, None
+def _first_exact(verdicts: list[FormVerdict], order: tuple[str, ...], tile: int | None) -> FormVerdict:
+    """The first exact form of one part in `order`, among its forms at `tile` (or of no tile)."""
+    usable = [v for v in verdicts if v.exact and v.tile in (None, tile)]
+    if not usable:  # per row, said as a fallback (the attention's per-row form is checked, not assumed)
+        return next(v for v in verdicts if v.form == "per-row")
+    return min(usable, key=lambda v: order.index(v.form))
 
 
-def plan_from(model, verdicts: list[FormVerdict], chunk: int) -> FixedOrderPlan:
-    """The plan: each part's first exact form, applied to every module of that part."""
+def _fallback_line(verdicts: list[FormVerdict], chosen: FormVerdict) -> str | None:
+    """A part that falls back to per row, said with what the batch form got wrong and the cost."""
+    if chosen.form != "per-row" or verdicts[0].form == "per-row":
+        return None
+    first = verdicts[0]
+    cost = f"{chosen.ms:.3g} ms per row against {first.ms:.3g} ms batched" if chosen.ms and first.ms else ""
+    return (
+        f"{first.part}: no batched form is exact here ({first.rows_differing} rows differ as is, "
+        f"max |diff| {first.max_abs_diff:.3g}); it runs per row ({cost} on the probe batch)"
+    )
+
+
+def _plan_cost(by_part: dict[str, list[FormVerdict]], tile: int | None) -> float:
+    """Milliseconds of every row-wise module of the model in its chosen form at `tile`, one call
+    each over the probe batch (the attention does not depend on T)."""
+    total = 0.0
+    for part, verdicts in by_part.items():
+        if part != "attention":
+            chosen = _first_exact(verdicts, ROW_FORMS, tile)
+            total += (chosen.ms or 0.0) * chosen.modules
+    return total
+
+
+def plan_from(model, verdicts: list[FormVerdict], chunk: int, tiles: list[int] = ()) -> FixedOrderPlan:
+    """The plan: each part's first exact form, applied to every module of that part, at the tried
+    tile size whose plan costs least (None where no part needs one)."""
     named = dict(model.named_modules())
     by_part: dict[str, list[FormVerdict]] = {}
     for v in verdicts:
         by_part.setdefault(v.part, []).append(v)
-    forms, fallbacks, attention = {}, [], "batched"
+    needs_tile = any(v.tile is not None for v in verdicts)
+    tile = min(tiles, key=lambda t: _plan_cost(by_part, t)) if needs_tile and tiles else None
+    forms, fallbacks, attention, tiled = {}, [], "batched", False
     for part, part_verdicts in by_part.items():
         order = ATTENTION_FORMS if part == "attention" else ROW_FORMS
-        form, fallback = _choose(part_verdicts, order)
+        chosen = _first_exact(part_verdicts, order, tile)
+        for v in part_verdicts:
+            v.chosen = v is chosen
+        fallback = _fallback_line(part_verdicts, chosen)
         if fallback:
             fallbacks.append(fallback)
         if part == "attention":
-            attention = form
-        elif form != "as-is":
-            forms.update({name: form for name, m in named.items() if _part_matches(part, name, m)})
-    return FixedOrderPlan(chunk, forms, attention, tuple(fallbacks))
+            attention = chosen.form
+        elif chosen.form != "as-is":
+            tiled |= chosen.tile is not None
+            forms.update({name: chosen.form for name, m in named.items() if _part_matches(part, name, m)})
+    return FixedOrderPlan(chunk, forms, attention, tuple(fallbacks), tile if tiled else None)
 
 
 def _part_matches(part: str, name: str, module) -> bool:
@@ -261,12 +330,20 @@ def _chunk_vs_steps(model, prompts, prefills, plan: FixedOrderPlan, tokens: int)
 
 
 def probe_fixed_order(
-    model, prompts: list[torch.Tensor], rows: int, steps: int = 3, chunk: int = CHUNK, chunk_tokens: int = 8
+    model,
+    prompts: list[torch.Tensor],
+    rows: int,
+    steps: int = 3,
+    chunk: int = CHUNK,
+    chunk_tokens: int = 8,
+    tile: int | None = None,
 ) -> FixedOrderProbe:
-    """Probe the fixed-order forms on `rows` real prompts (cycled if fewer), `steps` decode steps."""
+    """Probe the fixed-order forms on `rows` real prompts (cycled if fewer), `steps` decode steps;
+    chunks and tiles at `tile` rows if given, else at each of TILE_ROWS that fits."""
     started = time.perf_counter()
     chosen = [prompts[i % len(prompts)] for i in range(rows)]
-    sizes = batch_sizes(rows)
+    tiles = tile_sizes(rows, tile)
+    sizes = batch_sizes(rows, tiles)
     with torch.inference_mode():
         prefills = row_prefills(model, chosen)
         trial = FixedOrderPlan(chunk)  # everything as is while activations are captured
@@ -277,10 +354,10 @@ def probe_fixed_order(
             lengths = torch.tensor([len(p) for p in chosen], device=tokens.device)
             for step in range(steps):
                 tokens = fixed_order_step(model, cache, tokens, lengths + step).argmax(-1)
-        verdicts = _module_verdicts(model, capture, sizes) + _attention_verdicts(capture, sizes, chunk)
-        plan = plan_from(model, verdicts, chunk)
+        verdicts = _module_verdicts(model, capture, sizes, tiles) + _attention_verdicts(capture, sizes, chunk)
+        plan = plan_from(model, verdicts, chunk, tiles)
         few = min(rows, 4)
         chunk_check = _chunk_vs_steps(model, chosen[:few], prefills[:few], plan, chunk_tokens)
     return FixedOrderProbe(
-        rows, sizes, [len(p) for p in chosen], chunk, verdicts, plan, chunk_check, time.perf_counter() - started
+        rows, sizes, [len(p) for p in chosen], chunk, verdicts, plan, chunk_check, time.perf_counter() - started, tiles
     )

@@ -97,7 +97,7 @@ def _replay(model, kernels: Kernels, fixed: StartAlignedCache, stock: StockAlign
         stop = min(end, verified + REPLAY_CHUNK)
         inputs = torch.tensor(row.tokens[verified - 1 : stop - 1], device=device).view(1, -1)
         positions = (row.prompt_len + verified - 1 + torch.arange(stop - verified, device=device)).view(1, -1)
-        with module_forms(model, kernels.plan.forms):
+        with module_forms(model, kernels.plan):
             predicted = fixed_order_forward(model, fixed.row(r), inputs, positions)[0].argmax(-1).tolist()
         row.replayed += stop - verified
         mismatch = next((j for j, token in enumerate(predicted) if token != row.tokens[verified + j]), None)
