@@ -14,10 +14,10 @@ from mgbench.cli.options import (
     DeviceOpt,
     DtypeOpt,
     KernelsOpt,
-    TileRowsOpt,
     ModelOpt,
     OutOpt,
     SeedOpt,
+    TileRowsOpt,
     default_out,
 )
 from mgbench.errors import UserError
