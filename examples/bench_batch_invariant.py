@@ -6,19 +6,28 @@ and shared; free-running decode steps timed in each mode, the modes interleaved 
 and the teacher-forced logits of every row and step compared with that reference bitwise.
 
 - plain: stock kernels; reference stock solo.
+- start-aligned: stock kernels over the start-aligned cache the replay policies decode on, never
+  verified (`none (start-aligned)` in `mgbench compare`); reference stock solo. Between plain and
+  fixed-order, it tells the cost of the cache from the cost of the kernels.
 - fixed-order: every forward in the fixed-order kernels (`--kernels fixed-order`, planned by its
-  probe at that batch size); reference solo through the same kernels.
+  probe at the largest batch size); reference solo through the same kernels.
+- fixed-order-per-row: the same plan with every chunks or tiles form run per row instead (what the
+  mode ran before it had tiles); reference solo through its own kernels.
 - batch-invariant: stock kernels, each row made to reproduce stock solo (`--batch-invariant`,
   planned by its probe); reference stock solo.
 
     .venv/bin/python examples/bench_batch_invariant.py --batch-sizes 8,32,64 --max-new-tokens 32
     .venv/bin/python examples/bench_batch_invariant.py --modes plain,fixed-order --dataset gsm8k
+    # PLANTED: every linear sums in two rounded halves above 32 rows (a stand-in for the AMX Xeon's oneDNN)
+    .venv/bin/python examples/bench_batch_invariant.py --plant-split-k-above 32 --batch-sizes 64 \
+        --modes plain,fixed-order,fixed-order-per-row
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,13 +39,36 @@ from mgbench.assets import datasets
 from mgbench.assets.models import load_model
 from mgbench.engines.inprocess.audit import eos_token_ids, pad_token_id
 from mgbench.engines.inprocess.batch_invariant import decoding_mode
+from mgbench.engines.inprocess.fixed_order import TILED_FORMS, FixedOrderPlan
 from mgbench.engines.inprocess.fixed_order_probe import probe_fixed_order
 from mgbench.engines.inprocess.invariance_probe import probe_model
 from mgbench.engines.inprocess.kernels import STOCK, Kernels
+from mgbench.engines.inprocess.replay import ReplaySpec, run_replay_verified
 from mgbench.engines.inprocess.runners import row_prefills, run_free, run_solo, run_teacher_forced
+from mgbench.pipelines.probe import plan_line
 from mgbench.runs.machine import cpu_name
 
-MODES = ("plain", "fixed-order", "batch-invariant")
+MODES = ("plain", "start-aligned", "fixed-order", "fixed-order-per-row", "batch-invariant")
+LABELS = {"start-aligned": "none (start-aligned)"}
+REFERENCE = {"fixed-order": "fixed-order solo", "fixed-order-per-row": "fixed-order solo (per-row plan)"}
+
+
+def plant_split_k(model, above: int) -> None:
+    """PLANTED VARIANCE (tests/helpers.py's SplitKAboveLinear): every linear layer and the lm_head
+    sums its inputs in two rounded halves above `above` rows."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests"))
+    from helpers import SplitKAboveLinear
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear):
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, SplitKAboveLinear(module, above))
+
+
+def per_row_instead(plan: FixedOrderPlan) -> FixedOrderPlan:
+    """The plan with every chunks or tiles form run per row (the fallback before tiles existed)."""
+    forms = {name: "per-row" if form in TILED_FORMS else form for name, form in plan.forms.items()}
+    return FixedOrderPlan(plan.chunk, forms, plan.attention, plan.fallbacks)
 
 
 def interleaved(runs: dict, repeats: int) -> dict:
@@ -90,12 +122,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES), help="plain is always run (the increments' base)")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--tile-rows", type=int, default=None, help="T of the fixed-order chunks and tiles")
+    parser.add_argument("--plant-split-k-above", type=int, default=None, help="PLANTED: see plant_split_k")
     args = parser.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     modes = ["plain"] + [m for m in args.modes.split(",") if m in MODES and m != "plain"]
     console = Console(width=220)  # one line per batch size and mode, also in a log file
     lm = load_model(args.model, "bf16", args.device, "sdpa")
     model, n = lm.model, args.max_new_tokens
+    if args.plant_split_k_above:
+        plant_split_k(model, args.plant_split_k_above)
     config = datasets.load_config(args.dataset)
     requests = datasets.select_requests(config, datasets.read_records(config), args.limit, seed=0)
     prompts = [torch.tensor(datasets.encode(lm.tokenizer, config, r.text), device=lm.device) for r in requests]
@@ -103,7 +139,9 @@ def main() -> None:
     pad = pad_token_id(lm.tokenizer, eos)
     table = Table(
         title=f"decoding modes side by side: {args.model}, {args.dataset}, {len(prompts)} requests, {n} tokens, "
-        f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})"
+        f"{cpu_name() if str(lm.device) == 'cpu' else torch.cuda.get_device_name(lm.device)} "
+        f"({torch.backends.cpu.get_cpu_capability()})"
+        + (f", PLANTED split-K above {args.plant_split_k_above} rows" if args.plant_split_k_above else "")
     )
     for column in (
         "batch",
@@ -120,17 +158,25 @@ def main() -> None:
         solos = [run_solo(model, p, n, eos) for p in prompts]
         prefills = row_prefills(model, prompts)
         references = {"plain": solos, "batch-invariant": solos}
-        if "fixed-order" in modes:  # one probe covers every batch size up to the largest
-            probe = probe_fixed_order(model, prompts, rows=max(2, max(sizes)))
-            fixed = Kernels("fixed-order", probe.plan)
-            with fixed.active(model):
-                references["fixed-order"] = [run_solo(model, p, n, eos, fixed) for p in prompts]
-            fixed_prefills = [s.row_prefill for s in references["fixed-order"]]  # its prefills run in its kernels
-            described = probe.plan.describe()
-            fixed_forms = f"attention {probe.plan.attention}; " + (
-                ", ".join(f"{k} x{v}" for k, v in described["modules"].items()) or "modules as is"
+        fixed_modes = [m for m in modes if m in ("start-aligned", "fixed-order", "fixed-order-per-row")]
+        kernels_of, forms = {"plain": STOCK, "batch-invariant": STOCK}, {"plain": "stock"}
+        fixed_prefills = {}
+        if fixed_modes:  # one probe covers every batch size up to the largest
+            probe = probe_fixed_order(model, prompts, rows=max(2, max(sizes)), tile=args.tile_rows)
+            plans = {"fixed-order": probe.plan, "fixed-order-per-row": per_row_instead(probe.plan)}
+            for mode in ("fixed-order", "fixed-order-per-row"):
+                if mode in modes or (mode == "fixed-order" and "start-aligned" in modes):
+                    kernels_of[mode] = Kernels("fixed-order", plans[mode])
+                    with kernels_of[mode].active(model):
+                        references[mode] = [run_solo(model, p, n, eos, kernels_of[mode]) for p in prompts]
+                    fixed_prefills[mode] = [s.row_prefill for s in references[mode]]  # prefills in its kernels
+                    forms[mode] = plan_line(plans[mode])
+            references["start-aligned"], forms["start-aligned"] = solos, "stock over the start-aligned cache"
+            console.print(
+                f"fixed-order probe ({probe.seconds:.0f} s): {forms['fixed-order']}; chunk vs steps "
+                f"{probe.chunk_vs_steps}",
+                style="dim",
             )
-            console.print(f"fixed-order probe: {fixed_forms}; chunk vs steps {probe.chunk_vs_steps}", style="dim")
         for size in sizes:
             batches = [list(range(s, min(s + size, len(prompts)))) for s in range(0, len(prompts), size)]
 
@@ -138,38 +184,53 @@ def main() -> None:
                 return [values[i] for i in members]
 
             decoders = {"plain": lambda m: run_free(model, take(prompts, m), take(prefills, m), "alone", pad, n, eos)}
-            kernels_of, plans, forms = {"plain": STOCK}, {}, {"plain": "stock"}
-            if "fixed-order" in modes:
+            plans_bi = {}
+            for mode in ("fixed-order", "fixed-order-per-row"):
+                if mode in modes:
 
-                def fixed_decode(m):
-                    with fixed.active(model):
-                        return run_free(
-                            model, take(prompts, m), take(fixed_prefills, m), "alone", pad, n, eos, kernels=fixed
-                        )
+                    def fixed_decode(m, kernels=kernels_of[mode], known=fixed_prefills[mode]):
+                        with kernels.active(model):
+                            return run_free(
+                                model, take(prompts, m), take(known, m), "alone", pad, n, eos, kernels=kernels
+                            )
 
-                decoders["fixed-order"], kernels_of["fixed-order"] = fixed_decode, fixed
-                forms["fixed-order"] = fixed_forms
+                    decoders[mode] = fixed_decode
+            if "start-aligned" in modes:
+
+                def aligned_decode(m):
+                    return run_replay_verified(
+                        model,
+                        take(prompts, m),
+                        pad,
+                        n,
+                        eos,
+                        ReplaySpec("none"),
+                        kernels_of["fixed-order"],
+                        take(fixed_prefills["fixed-order"], m),
+                    )
+
+                decoders["start-aligned"], kernels_of["start-aligned"] = aligned_decode, None
             if "batch-invariant" in modes:
-                plans = {
+                plans_bi = {
                     tuple(m): probe_model(model, max(take(prompts, m), key=len)[:384], rows=max(2, len(m))).plan
                     for m in batches
                 }
 
                 def invariant_decode(m):
-                    with decoding_mode(model, take(prompts, m), plans[tuple(m)]):
+                    with decoding_mode(model, take(prompts, m), plans_bi[tuple(m)]):
                         return run_free(model, take(prompts, m), take(prefills, m), "alone", pad, n, eos)
 
-                decoders["batch-invariant"], kernels_of["batch-invariant"] = invariant_decode, STOCK
-                first = plans[tuple(batches[0])]
+                decoders["batch-invariant"] = invariant_decode
+                first = plans_bi[tuple(batches[0])]
                 forms["batch-invariant"] = f"{first.attention.label}; {modules_changed(first)}"
             timed = interleaved({mode: over_batches(d, batches) for mode, d in decoders.items()}, args.repeats)
             plain_s = timed["plain"][0]
             for mode, (seconds, tokens) in timed.items():
                 kernels, differing, steps = kernels_of[mode], 0, 0
-                for m in batches:
+                for m in batches if kernels is not None else []:  # start-aligned: free-running only
                     with (
                         decoding_mode(
-                            model, take(prompts, m), plans.get(tuple(m)) if mode == "batch-invariant" else None
+                            model, take(prompts, m), plans_bi.get(tuple(m)) if mode == "batch-invariant" else None
                         ),
                         kernels.active(model),
                     ):
@@ -180,13 +241,13 @@ def main() -> None:
                     steps += sum(len(row["max_abs_logit_diff"]) for row in forced.rows)
                 table.add_row(
                     str(size),
-                    mode,
-                    "fixed-order solo" if mode == "fixed-order" else "stock solo",
+                    LABELS.get(mode, mode),
+                    REFERENCE.get(mode, "stock solo"),
                     forms[mode],
                     f"{sum(len(t) - 1 for t in tokens) / seconds:.1f}",
                     f"{seconds / plain_s - 1:+.1%} ({seconds:.2f} s vs {plain_s:.2f} s)",
                     f"{determinism(tokens, [s.tokens.tolist() for s in references[mode]]):.2%}",
-                    f"{differing}/{steps}",
+                    f"{differing}/{steps}" if steps else "-",
                 )
                 console.print(f"batch {size} {mode}: {seconds:.2f} s ({seconds / plain_s - 1:+.1%})", style="dim")
     console.print(table)
