@@ -3,13 +3,15 @@
 Runs, each as a subprocess of the `mgbench` CLI of this Python environment, on --device:
 flips (a batch-size sweep), calibrate (over that flips run), verify (MarginGate at the calibrated
 threshold), compare (small, one timed repeat), probe, and flips again with --kernels fixed-order
-and with --batch-invariant; with --also ALIAS, flips on that model too when its weights are in
+and with --batch-invariant, and fixed-order flips at batch 64 (the plan's forms and tile size T:
+a GPU GEMM picks its kernel by the row count); with --also ALIAS, flips on that model too when its weights are in
 the local cache. Each run writes its run directory under --out; the table (command, exit code,
 wall time, peak memory, key figures) is printed and written to OUT/gpu_check.md.
 
 Settings: flips 16 math500 requests x 64 tokens at batch sizes 1,8,16 (verify 8,16); compare 16
-requests at batch 8, 32 tokens, one timed repeat, every configuration; probe 16 rows. --quick: 4
-requests x 8 tokens at 1,2 (verify 2), compare only `none` and always-on, probe 2 rows.
+requests at batch 8, 32 tokens, one timed repeat, every configuration; probe 16 rows; fixed-order
+64 requests x 24 tokens at batch 64. --quick: 4 requests x 8 tokens at 1,2 (verify 2), compare
+only `none` and always-on, probe 2 rows, fixed-order 4 x 4 at batch 4.
 
 Exit 0 when every command exited 0; 1 otherwise (the failing commands are named); 2 when CUDA is
 not available (pass --device cpu to run the same sequence on the CPU).
@@ -56,12 +58,14 @@ class Settings:
     compare_max_new_tokens: int
     probe_rows: int
     compare_only: str | None  # compare's --only (every configuration when None)
+    large_batch: int  # fixed-order flips at this batch size, as many requests (a GPU GEMM picks its kernel by M)
+    large_tokens: int
 
 
-FULL = Settings(16, "1,8,16", "8,16", 64, 16, 8, 32, 16, None)
+FULL = Settings(16, "1,8,16", "8,16", 64, 16, 8, 32, 16, None, 64, 24)
 # A smoke test: compare times only `none` and always-on verification (its fixed-order, replay
 # and batch-invariant configurations each probe the model first: minutes on 2 CPU cores).
-QUICK = Settings(4, "1,2", "2", 8, 4, 2, 8, 2, "always")
+QUICK = Settings(4, "1,2", "2", 8, 4, 2, 8, 2, "always", 4, 4)
 
 
 @dataclass
@@ -261,6 +265,13 @@ def flips_figures(run: Path) -> str:
     return "; ".join(parts)
 
 
+def fixed_order_figures(run: Path) -> str:
+    """flips' figures, then the fixed-order plan: the forms and the tile size T the probe chose."""
+    plan = read_json(run / "summary.json")["fixed_order"]["plan"]
+    forms = ", ".join(f"{n} {form}" for form, n in plan["modules"].items()) or "every module as is"
+    return f"{flips_figures(run)}; plan: {forms}, T = {plan.get('tile_rows') or '-'}"
+
+
 def calibrate_figures(run: Path) -> str:
     c = read_json(run / "calibration.json")
     if c.get("tau") is None:
@@ -375,6 +386,26 @@ def plan(args, out: Path, settings: Settings) -> list[Step]:
                 flips_figures,
             )
         )
+    folder = out / "flips-fixed-order-large-batch"
+    large = ["--limit", str(settings.large_batch), "--max-new-tokens", str(settings.large_tokens)]
+    steps.append(
+        Step(
+            "flips --kernels fixed-order, large batch",
+            "flips",
+            [
+                *common,
+                *large,
+                "--batch-size",
+                str(settings.large_batch),
+                "--kernels",
+                "fixed-order",
+                "--out",
+                str(folder),
+            ],
+            folder,
+            fixed_order_figures,
+        )
+    )
     for alias in args.also:
         folder = out / slug(f"flips-{alias}")
         also = ["--model", alias, "--dataset", args.dataset, *device, *sweep, "--batch-sizes", settings.batch_sizes]

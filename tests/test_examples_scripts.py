@@ -18,6 +18,7 @@ COMMANDS = (
     "probe",
     "flips --kernels fixed-order",
     "flips --batch-invariant",
+    "flips --kernels fixed-order, large batch",
 )
 
 

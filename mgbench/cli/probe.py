@@ -52,9 +52,10 @@ def probe(
     plain and in batch-invariant mode, against solo. Writes probe.json and manifest.json.
 
     With `--kernels fixed-order`: decodes a few steps of ROWS real prompts of unequal lengths through
-    the fixed-order kernels, recomputes every part of the first, middle and last layer at every batch
-    size 1..ROWS against each row alone, bitwise, per form (as is, never one row, per row), and checks
-    a chunk of tokens in one forward against the same tokens step by step.
+    the fixed-order kernels, recomputes every part of the first, middle and last layer at batch sizes
+    up to ROWS (and around each tile size T) against each row alone, bitwise, per form (as is, never
+    one row, chunks of at most T rows, tiles of exactly T rows, per row), picks T (or takes
+    --tile-rows), and checks a chunk of tokens in one forward against the same tokens step by step.
 
     Examples:
 
@@ -65,6 +66,8 @@ def probe(
         mgbench probe --model llama-3.1-8b --device cuda --rows 64
 
         mgbench probe --kernels fixed-order --rows 64 --dataset gsm8k --limit 64
+
+        mgbench probe --kernels fixed-order --rows 64 --tile-rows 32
     """
     with user_errors(debug):
         if rows < 2:

@@ -23,7 +23,8 @@ def fixed_order_lines(summary: dict) -> list[str]:
     plan, stock = fixed["plan"], fixed["stock_solo"]
     modules = ", ".join(f"{n} modules {form}" for form, n in plan["modules"].items()) or "every module as is"
     lines = [
-        f"Fixed-order kernels: attention {plan['attention']}; {modules}. Determinism is measured against solo "
+        f"Fixed-order kernels: attention {plan['attention']}; {modules}; tile size T: "
+        f"{plan.get('tile_rows') or 'none needed'}. Determinism is measured against solo "
         f"decoding through the same kernels; that reference equals stock solo output on {stock['identical']} of "
         f"{stock['requests']} sequences."
     ]
@@ -43,7 +44,7 @@ def fixed_order_probe_lines(probe: dict) -> list[str]:
     for v in probe["verdicts"]:
         ms = "-" if v["ms"] is None else f"{v['ms']:.3g}"
         lines.append(
-            f"| {v['part']} | {v['form']} | {v['modules']} | {'yes' if v['exact'] else '**no**'} | "
+            f"| {v['part']} | {v.get('label', v['form'])} | {v['modules']} | {'yes' if v['exact'] else '**no**'} | "
             f"{v['rows_differing']} | {v['max_abs_diff']:.3g} | {ms} | {'chosen' if v['chosen'] else ''} |"
         )
     lines += [

@@ -21,7 +21,7 @@ def render_fixed_order_probe(console: Console, probe: dict, model: str, dtype: s
     for v in probe["verdicts"]:
         table.add_row(
             v["part"],
-            v["form"],
+            v.get("label", v["form"]),  # probes written before tiles have no label
             str(v["modules"]),
             _yes(v["exact"]),
             str(v["rows_differing"]),
@@ -30,6 +30,12 @@ def render_fixed_order_probe(console: Console, probe: dict, model: str, dtype: s
             "chosen" if v["chosen"] else "",
         )
     console.print(table)
+    tile = probe["plan"].get("tile_rows")
+    console.print(
+        f"tile size T: {tile} rows" if tile else "tile size T: none needed (no part runs in chunks or tiles)",
+        f"(tried {', '.join(map(str, probe.get('tile_rows_tried', []))) or '-'})",
+        highlight=False,
+    )
     check = probe["chunk_vs_steps"]
     console.print(
         f"a chunk of {check['tokens']} tokens in one forward vs step by step: {check['rows_differing']}/"

@@ -11,7 +11,8 @@ is exact when no row differs anywhere. The plan takes, per part, the first exact
 `as-is`, `never-one-row`, `chunks` of at most T rows, `tiles` of exactly T rows, `per-row`
 (attention: `batched`, `per-row`); per row is exact by construction (the solo call itself), so a
 part never lacks a form, and a fallback is said with its cost. T is the tried size whose plan
-costs least on the probe batch (each form timed), or the one the user set.
+costs least per request and token of a solo step plus a batched one (each form timed on one row
+and on the probe batch), or the one the user set.
 
 It also checks that a chunk of tokens fed in one forward gives the logits of the same tokens fed
 step by step (verification as a chunk needs that equality), and times each form.
@@ -58,6 +59,7 @@ class FormVerdict:
     ms: float | None  # one call over all probe rows
     chosen: bool = False
     tile: int | None = None  # T of a chunks or tiles form
+    ms_one_row: float | None = None  # one call on one row (a solo step; tiles pad it to T rows)
 
     @property
     def label(self) -> str:
@@ -88,7 +90,7 @@ class FixedOrderProbe:
             "prompt_lengths": self.prompt_lengths,
             "chunk": self.chunk,
             "plan": self.plan.describe(),
-            "verdicts": [asdict(v) for v in self.verdicts],
+            "verdicts": [{**asdict(v), "label": v.label} for v in self.verdicts],
             "chunk_vs_steps": self.chunk_vs_steps,
             "tile_rows_tried": self.tiles_tried,
             "seconds": self.seconds,
@@ -208,7 +210,8 @@ def _module_verdicts(model, capture: _Capture, sizes: list[int], tiles: list[int
                         d, w = _form_differs(forwards[name], form, tile, x, sizes)
                         differing, worst = differing + d, max(worst, w)
             ms = _time_ms(lambda: run_in_form(forwards[names[0]], form, first, tile), first.device)
-            return FormVerdict(label, form, len(names), differing == 0, differing, worst, ms, tile=tile)
+            one = _time_ms(lambda: run_in_form(forwards[names[0]], form, first[:1], tile), first.device)
+            return FormVerdict(label, form, len(names), differing == 0, differing, worst, ms, tile=tile, ms_one_row=one)
 
         part = [verdict("as-is")]
         if not part[-1].exact:
@@ -267,26 +270,28 @@ def _fallback_line(verdicts: list[FormVerdict], chosen: FormVerdict) -> str | No
     )
 
 
-def _plan_cost(by_part: dict[str, list[FormVerdict]], tile: int | None) -> float:
-    """Milliseconds of every row-wise module of the model in its chosen form at `tile`, one call
-    each over the probe batch (the attention does not depend on T)."""
+def _plan_cost(by_part: dict[str, list[FormVerdict]], tile: int | None, rows: int) -> float:
+    """Milliseconds per request and token of every row-wise module in its chosen form at `tile`,
+    for a run that decodes each request alone (its reference) and in a batch of `rows`: one call
+    on one row plus a `rows`-th of one call on the batch (tiles of 64 are cheap at 64 rows and pay
+    64 rows for a solo step). The attention does not depend on T."""
     total = 0.0
     for part, verdicts in by_part.items():
         if part != "attention":
             chosen = _first_exact(verdicts, ROW_FORMS, tile)
-            total += (chosen.ms or 0.0) * chosen.modules
+            total += ((chosen.ms_one_row or 0.0) + (chosen.ms or 0.0) / rows) * chosen.modules
     return total
 
 
-def plan_from(model, verdicts: list[FormVerdict], chunk: int, tiles: list[int] = ()) -> FixedOrderPlan:
+def plan_from(model, verdicts: list[FormVerdict], chunk: int, tiles: list[int] = (), rows: int = 1) -> FixedOrderPlan:
     """The plan: each part's first exact form, applied to every module of that part, at the tried
-    tile size whose plan costs least (None where no part needs one)."""
+    tile size whose plan costs least for solo and `rows`-row steps (None where no part needs one)."""
     named = dict(model.named_modules())
     by_part: dict[str, list[FormVerdict]] = {}
     for v in verdicts:
         by_part.setdefault(v.part, []).append(v)
     needs_tile = any(v.tile is not None for v in verdicts)
-    tile = min(tiles, key=lambda t: _plan_cost(by_part, t)) if needs_tile and tiles else None
+    tile = min(tiles, key=lambda t: _plan_cost(by_part, t, rows)) if needs_tile and tiles else None
     forms, fallbacks, attention, tiled = {}, [], "batched", False
     for part, part_verdicts in by_part.items():
         order = ATTENTION_FORMS if part == "attention" else ROW_FORMS
@@ -355,7 +360,7 @@ def probe_fixed_order(
             for step in range(steps):
                 tokens = fixed_order_step(model, cache, tokens, lengths + step).argmax(-1)
         verdicts = _module_verdicts(model, capture, sizes, tiles) + _attention_verdicts(capture, sizes, chunk)
-        plan = plan_from(model, verdicts, chunk, tiles)
+        plan = plan_from(model, verdicts, chunk, tiles, rows)
         few = min(rows, 4)
         chunk_check = _chunk_vs_steps(model, chosen[:few], prefills[:few], plan, chunk_tokens)
     return FixedOrderProbe(
