@@ -4,7 +4,8 @@ No left padding: a row's token at position p is written at p (gpt-fast's `k_out[
 k_val`, with a position per row), so a row's keys sit where they sit when it decodes alone, and
 the fixed-order attention reduces them in the same chunks from position 0 whatever the batch.
 The buffer is allocated once per batch, chunk-major, [chunks, batch, kv_heads, chunk, head_dim]
-per layer, so the keys of the first n chunks are one contiguous block: the attention's per-chunk
+per layer (keys transposed within each chunk, [.., head_dim, chunk], as the scores' product reads
+them), so the keys of the first n chunks are one contiguous block: the attention's per-chunk
 products run as one batched matmul over views, with no per-step copy or concatenation.
 
 Keys and values are stored in float32 (the bf16 values exactly, widened once when written), the
@@ -34,7 +35,8 @@ class StartAlignedCache:
     def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int, chunk: int, device):
         self.chunk, self.batch = chunk, batch
         shape = (chunks_for(capacity, chunk), batch, kv_heads, chunk, head_dim)
-        self.keys = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(layers)]
+        transposed = (*shape[:3], head_dim, chunk)
+        self.keys = [torch.zeros(transposed, dtype=torch.float32, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # keys written per row
         self.positions: torch.Tensor | None = None  # [batch, q] positions of the tokens being fed
@@ -63,12 +65,12 @@ class StartAlignedCache:
         """Keys [kv_heads, n, head_dim] of one row at positions start..start+n-1."""
         positions = torch.arange(start, start + k.shape[1], device=k.device)
         chunk, offset = positions // self.chunk, positions % self.chunk
-        self.keys[layer][chunk, row, :, offset] = k.transpose(0, 1).float()
+        self.keys[layer][chunk, row, :, :, offset] = k.transpose(0, 1).float()
         self.values[layer][chunk, row, :, offset] = v.transpose(0, 1).float()
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[0] * self.chunk
+        return self.values[0].shape[0] * self.chunk
 
     def feed(self, positions: torch.Tensor) -> None:
         """Positions [batch] or [batch, q] of the tokens the next forward writes and attends from."""
@@ -88,12 +90,12 @@ class StartAlignedCache:
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write the new keys [batch, kv_heads, q, head_dim] at each row's positions; return the
-        first n chunks of keys and values ([n, batch, kv_heads, chunk, head_dim] views), n covering
-        the furthest position fed."""
+        first n chunks of keys and values ([n, batch, kv_heads, head_dim, chunk] and [n, batch,
+        kv_heads, chunk, head_dim] views), n covering the furthest position fed."""
         positions = self.positions
         rows = self._rows.view(-1, 1).expand_as(positions)
         chunk, offset = positions // self.chunk, positions % self.chunk
-        self.keys[layer_idx][chunk, rows, :, offset] = key.transpose(1, 2).float()
+        self.keys[layer_idx][chunk, rows, :, :, offset] = key.transpose(1, 2).float()
         self.values[layer_idx][chunk, rows, :, offset] = value.transpose(1, 2).float()
         return self.keys[layer_idx][: self.fed_chunks], self.values[layer_idx][: self.fed_chunks]
 
@@ -103,7 +105,10 @@ class StartAlignedCache:
         positions = torch.arange(start, start + count, device=self._rows.device)
         chunk, offset = positions // self.chunk, positions % self.chunk
         return torch.stack(
-            [torch.stack((k[chunk, row, :, offset], v[chunk, row, :, offset])).transpose(1, 2) for k, v in self.layers]
+            [
+                torch.stack((k[chunk, row, :, :, offset], v[chunk, row, :, offset])).transpose(1, 2)
+                for k, v in self.layers
+            ]
         ).to(dtype)
 
     @property

@@ -45,24 +45,30 @@ def fixed_order_attention(
     softcap: float | None = None,
     hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query [B, heads, q, head_dim]; keys, values [n, B, kv_heads, chunk, head_dim] float32
-    (start-aligned); positions [B, q] of the queries. Returns [B, q, heads, head_dim] in the
-    query's dtype. Key j is visible to a query at position p iff j <= p (and p - j < window);
-    `hidden` is `hidden_keys` of these arguments when the caller keeps it (one per step and window)."""
-    n, batch, kv_heads, chunk, head_dim = keys.shape
+    """query [B, heads, q, head_dim]; keys [n, B, kv_heads, head_dim, chunk] (each chunk transposed:
+    the scores' product reads it contiguous, 40% faster than a transposed view here), values
+    [n, B, kv_heads, chunk, head_dim], float32 (start-aligned); positions [B, q] of the queries.
+    Returns [B, q, heads, head_dim] in the query's dtype. Key j is visible to a query at position p
+    iff j <= p (and p - j < window); `hidden` is `hidden_keys` of these arguments when the caller
+    keeps it (one per step and window)."""
+    n, batch, kv_heads, chunk, head_dim = values.shape
     heads, q = query.shape[1], query.shape[2]
     group = heads // kv_heads
     items = n * batch * q * kv_heads
-    qf = query.float().view(batch, kv_heads, group, q, head_dim).permute(0, 3, 1, 2, 4)  # [B, q, kvh, G, d]
+    # The scaling goes into the query (one [B, heads, q, d] product instead of one over every score);
+    # exact when it is a power of two, as 1/sqrt(head_dim) is for head_dim 64 or 256.
+    qf = (query.float() * scaling).view(batch, kv_heads, group, q, head_dim).permute(0, 3, 1, 2, 4)
     qe = qf.unsqueeze(0).expand(n, batch, q, kv_heads, group, head_dim).reshape(items, group, head_dim)
-    ke = keys.unsqueeze(2).expand(n, batch, q, kv_heads, chunk, head_dim).reshape(items, chunk, head_dim)
+    ke = keys.unsqueeze(2).expand(n, batch, q, kv_heads, head_dim, chunk).reshape(items, head_dim, chunk)
     ve = values.unsqueeze(2).expand(n, batch, q, kv_heads, chunk, head_dim).reshape(items, chunk, head_dim)
-    scores = torch.bmm(qe, ke.transpose(1, 2)).view(n, batch, q, kv_heads, group, chunk) * scaling
+    scores = torch.bmm(qe, ke).view(n, batch, q, kv_heads, group, chunk)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores + (hidden if hidden is not None else hidden_keys(positions, n, chunk, window))
-    top = scores.amax(dim=(0, 5), keepdim=True)  # a max is exact in any order
-    p = torch.exp(scores - top)
+    hidden = hidden if hidden is not None else hidden_keys(positions, n, chunk, window)
+    top = scores.masked_fill(hidden, float("-inf")).amax(dim=(0, 5), keepdim=True)  # a max is exact in any order
+    # Hidden keys become exp(0) and then 0: exp of -inf (or of anything that underflows) takes a
+    # slow path, 10x the time of the whole exp here; visible keys get exactly exp(score - top).
+    p = (scores - top).masked_fill_(hidden, 0.0).exp_().masked_fill_(hidden, 0.0)
     denominator = p.sum(-1).cumsum(0)[-1]  # per chunk, then chunk by chunk from position 0
     pv = torch.bmm(p.view(items, group, chunk), ve).view(n, batch, q, kv_heads, group, head_dim)
     out = pv.cumsum(0)[-1] / denominator.unsqueeze(-1)  # [B, q, kvh, G, d]
@@ -70,23 +76,22 @@ def fixed_order_attention(
 
 
 def hidden_keys(positions: torch.Tensor, n: int, chunk: int, window: int | None = None) -> torch.Tensor:
-    """Additive mask [n, B, q, 1, 1, chunk]: 0 where a key is visible, -inf where not (x + 0.0 is x,
-    exactly, so it only hides)."""
+    """Mask [n, B, q, 1, 1, chunk]: True where a key is hidden from the query (past its position,
+    or out of its window)."""
     batch, q = positions.shape
     key_pos = torch.arange(n * chunk, device=positions.device).view(n, 1, 1, chunk)
     query_pos = positions.view(1, batch, q, 1)
-    visible = key_pos <= query_pos
+    hidden = key_pos > query_pos
     if window is not None:
-        visible &= key_pos > query_pos - window
-    mask = torch.zeros(visible.shape, dtype=torch.float32, device=positions.device)
-    return mask.masked_fill_(~visible, float("-inf")).view(n, batch, q, 1, 1, chunk)
+        hidden |= key_pos <= query_pos - window
+    return hidden.view(n, batch, q, 1, 1, chunk)
 
 
 def per_row_attention(query, keys, values, positions, *args) -> torch.Tensor:
     """Each row alone over its own chunks (the call its solo decoding makes): the fallback form."""
     rows, furthest = [], positions.max(-1).values.tolist()  # one host sync, not one per row
     for r in range(query.shape[0]):
-        n = chunks_for(furthest[r] + 1, keys.shape[3])
+        n = chunks_for(furthest[r] + 1, values.shape[3])
         rows.append(
             fixed_order_attention(
                 query[r : r + 1], keys[:n, r : r + 1], values[:n, r : r + 1], positions[r : r + 1], *args
@@ -124,7 +129,7 @@ def _attention(base, module, query, key, value, attention_mask, **kwargs):
     if form != "batched":
         return attention_in_form(form)(query, key, value, cache.positions, *arguments), None
     hidden = cache.mask_for(
-        arguments[1], lambda: hidden_keys(cache.positions, key.shape[0], key.shape[3], arguments[1])
+        arguments[1], lambda: hidden_keys(cache.positions, value.shape[0], value.shape[3], arguments[1])
     )
     return attention_in_form(form)(query, key, value, cache.positions, *arguments, hidden), None
 
