@@ -319,15 +319,15 @@ def test_default_model_fixed_order_is_bitwise_its_solo_reference(default_lm, mat
 
 @pytest.mark.slow
 def test_default_model_fixed_order_is_bitwise_at_batch_8_32_and_64_on_unequal_prompts(default_lm):
-    """The real model and 64 real MATH500 prompts cut to unequal lengths (16-79 tokens), probed at 64
+    """The real model and 64 real MATH500 prompts cut to unequal lengths (16-55 tokens), probed at 64
     rows: every teacher-forced logit row at batch 8, 32 and 64 equals its fixed-order solo bitwise,
-    and the free-running tokens too, whatever forms and tile size the probe chose here (printed)."""
+    and the free-running tokens at 64 too, whatever forms and tile size the probe chose here (printed)."""
     from mgbench.assets import datasets
 
     config = datasets.load_config("math500")
     records = datasets.read_records(config)[:64]
     prompts = [
-        torch.tensor(datasets.encode(default_lm.tokenizer, config, datasets.prompt_text(config, r))[: 16 + 7 * i % 64])
+        torch.tensor(datasets.encode(default_lm.tokenizer, config, datasets.prompt_text(config, r))[: 16 + 7 * i % 40])
         for i, r in enumerate(records)
     ]
     model = default_lm.model
@@ -339,18 +339,9 @@ def test_default_model_fixed_order_is_bitwise_at_batch_8_32_and_64_on_unequal_pr
             solos = [run_solo(model, p, 4, set(), kernels) for p in prompts]
             for size in (8, 32, 64):
                 forced = run_teacher_forced(model, prompts[:size], solos[:size], "alone", PAD_ID, kernels=kernels)
-                free = run_free(
-                    model,
-                    prompts[:size],
-                    [s.row_prefill for s in solos[:size]],
-                    "alone",
-                    PAD_ID,
-                    4,
-                    set(),
-                    kernels=kernels,
-                )
                 assert flips_and_diffs(forced) == (0, 0.0), size
-                assert free.tokens == [s.tokens.tolist() for s in solos[:size]], size
+            free = run_free(model, prompts, [s.row_prefill for s in solos], "alone", PAD_ID, 4, set(), kernels=kernels)
+            assert free.tokens == [s.tokens.tolist() for s in solos]
 
 
 def test_cli_flips_fixed_order_names_its_reference(tiny_model_dir, tmp_path):
