@@ -125,6 +125,8 @@ def main() -> None:
     parser.add_argument("--tile-rows", type=int, default=None, help="T of the fixed-order chunks and tiles")
     parser.add_argument("--plant-split-k-above", type=int, default=None, help="PLANTED: see plant_split_k")
     args = parser.parse_args()
+    if args.tile_rows is not None and args.tile_rows < 1:
+        parser.error(f"--tile-rows must be at least 1 (got {args.tile_rows})")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     modes = ["plain"] + [m for m in args.modes.split(",") if m in MODES and m != "plain"]
     console = Console(width=220)  # one line per batch size and mode, also in a log file

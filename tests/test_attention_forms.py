@@ -94,6 +94,10 @@ def test_probe_checks_groups_of_several_rows_even_where_its_own_pads_leave_every
         assert not finding.invariant and finding.varies_at, align
         assert set(finding.varies_at) <= set(forms.grouping_pads(6, align))
     assert report.plan.attention == PER_ROW and report.exact
+    assert clean.exact  # whatever form it chose without the plant, the mode's step equals solo
+    for align in (2, 8, 64):  # two rows already share a group
+        pads = forms.grouping_pads(2, align)
+        assert pads[0] % align == pads[1] % align and pads[0] != pads[1]
     print(
         "\n[this machine] aligned forms exact without the plant:",
         [f.name.split(",")[0] for f in clean.findings if f.op == "attention form" and f.invariant],

@@ -237,12 +237,15 @@ def test_a_user_set_tile_is_the_only_one_tried():
     model = gqa_model()
     mlp = model.model.layers[0].mlp
     mlp.down_proj = SplitKAboveLinear(mlp.down_proj, invariant_up_to=4)
-    prompts = random_prompts(LENGTHS, vocab=8192, seed=12)
+    prompts = random_prompts(LENGTHS * 3, vocab=8192, seed=12)
     with torch.inference_mode():
         probe = probe_fixed_order(model, prompts, rows=len(prompts), tile=4)
     assert probe.tiles_tried == [4] and probe.plan.tile == 4
     assert probe.plan.forms["model.layers.0.mlp.down_proj"] in ("chunks", "tiles")  # whichever is exact here
-    assert {3, 4, 5} <= set(probe.batch_sizes)  # around the tile's edge
+    assert {3, 4, 5, 9} <= set(probe.batch_sizes) and probe.batch_sizes[-3:] == [16, 17, 24]
+    with torch.inference_mode():
+        wide = probe_fixed_order(model, prompts, rows=len(prompts), tile=20)
+    assert wide.tiles_tried == [20] and {19, 20, 21} <= set(wide.batch_sizes) and 41 not in wide.batch_sizes
     _, forced, _ = audit(model, prompts, Kernels("fixed-order", probe.plan), steps=4)
     assert flips_and_diffs(forced)[1] == 0.0
 

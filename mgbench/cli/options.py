@@ -117,8 +117,9 @@ TileRowsOpt = typer.Option(
     None,
     "--tile-rows",
     help=(
-        "With --kernels fixed-order: T, the rows per call of the probe's 'chunks' (at most T rows) and "
-        "'tiles' (exactly T rows, zero-padded) forms, where a GEMM's kernel depends on the row count. "
-        "Default: the cheapest exact one of 8, 16, 32, 64 the probe measures."
+        "Fixed-order kernels (--kernels fixed-order; compare's fixed-order and replay configurations): T, the "
+        "rows per call of the 'chunks' (at most T rows) and 'tiles' (exactly T rows, zero-padded) forms, "
+        "where a GEMM's kernel depends on the row count. Default: the cheapest exact one of 8, 16, 32, 64 "
+        "the probe measures."
     ),
 )

@@ -31,6 +31,7 @@ from mgbench.engines.inprocess.replay import REPLAY_CHUNK, run_replay_verified
 from mgbench.engines.inprocess.runners import run_free, run_solo, synchronize
 from mgbench.engines.inprocess.step import StepContext
 from mgbench.engines.inprocess.stopwatch import Stopwatch
+from mgbench.errors import UserError
 from mgbench.pipelines.compare_configs import Config, Decoded, config_reference, configurations, replay_specs  # noqa: F401 (re-export)
 from mgbench.pipelines.prepared import PreparedRun, prepare
 from mgbench.pipelines.probe import fixed_order_probe_for_run, fixed_order_summary, probe_for_run, run_summary
@@ -286,7 +287,10 @@ def run_compare(
     tile_rows: int | None = None,
 ) -> None:
     """`mgbench compare` from validated options to compare.parquet, its plots and its report."""
-    configs = len(configurations(tau, unit, only))  # an unknown --only prefix fails before anything loads
+    chosen = configurations(tau, unit, only)  # an unknown --only prefix fails before anything loads
+    if tile_rows is not None and not any(c.replay is not None or c.name == "fixed-order kernels" for c in chosen):
+        raise UserError("--tile-rows sets the fixed-order kernels' tile: --only leaves no fixed-order configuration")
+    configs = len(chosen)
     run = prepare(options)
     if placement.writes:
         rundir.prepare_out_dir(out)
@@ -347,7 +351,7 @@ def run_compare(
     }
     manifest = rundir.manifest(
         "compare",
-        {**asdict(options), "threshold": tau, "threshold_unit": unit, "repeats": repeats},
+        {**asdict(options), "tile_rows": tile_rows, "threshold": tau, "threshold_unit": unit, "repeats": repeats},
         lm.device,
         {"dtype": lm.dtype, "attn": lm.attn, "model_source": lm.source},
     )

@@ -154,11 +154,12 @@ def form_verdict(calls, pads: list[int], form: AttentionForm) -> tuple[bool, flo
 
 
 def grouping_pads(rows: int, align: int) -> list[int]:
-    """Pads that put several rows in each aligned group at different multiples of `align`: rows
-    alternate between residues 0 and align/2 + 1, at 0, 1 and 2 times `align` beyond it. The probe's
-    own pads (0, 1, 2, ...) leave every group a single row while rows <= align, so a form checked only
-    there is exact vacuously (an 8-lane grouping passed there and failed on a 16-lane CPU's real pads)."""
-    return [(r % 2) * (align // 2 + 1) + align * ((r // 2) % 3) for r in range(rows)]
+    """Pads that put several rows in each aligned group at different multiples of `align`: rows go
+    in pairs, a pair's two rows one `align` apart, pairs alternating between residues 0 and
+    align/2 + 1 (two rows already share a group). The probe's own pads (0, 1, 2, ...) leave every
+    group a single row while rows <= align, so a form checked only there is exact vacuously (an
+    8-lane grouping passed there and failed on a 16-lane CPU's real pads)."""
+    return [(r // 2 % 2) * (align // 2 + 1) + align * (r % 2 + r // 4 % 2) for r in range(rows)]
 
 
 def repadded_call(call, pads: list[int], new_pads: list[int], keys: int) -> tuple:
@@ -176,12 +177,16 @@ def repadded_call(call, pads: list[int], new_pads: list[int], keys: int) -> tupl
     return base, module, query, k, v, kwargs, per_row(base, module, query, k, v, new_pads, **kwargs)
 
 
-def regrouped_calls(calls: list[tuple], pads: list[int], align: int) -> list[tuple]:
+def regrouped_calls(calls: list[tuple], pads: list[int], align: int):
     """The first and last captured calls at `grouping_pads`, at every length of 64 consecutive ones
     (64-127 keys past the largest pad): whether a masked group call equals the solo calls depends on
-    the key count too (on a 16-lane CPU, 8-aligned groups differed at 36 of 64 lengths)."""
+    the key count too (on a 16-lane CPU, 8-aligned groups differed at 36 of 64 lengths). Made one at
+    a time (each holds its own K/V and per-row reference: all at once would be gigabytes at 64 rows
+    of a large model)."""
     new_pads = grouping_pads(len(pads), align)
-    return [repadded_call(call[:6], pads, new_pads, keys) for call in (calls[0], calls[-1]) for keys in range(64, 128)]
+    for call in (calls[0], calls[-1]):
+        for keys in range(64, 128):
+            yield repadded_call(call[:6], pads, new_pads, keys)
 
 
 def synthetic_long_calls(call, pads: list[int], lengths=(KV_BLOCK // 2 + 3, KV_BLOCK, KV_BLOCK + 40)) -> list[tuple]:

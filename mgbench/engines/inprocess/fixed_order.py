@@ -185,7 +185,7 @@ def run_in_form(forward, form: str, x: torch.Tensor, tile: int | None = None) ->
         raise ValueError(f"form {form!r} needs a tile size")
     rows = x.reshape(-1, x.shape[-1])
     out = _RUNNERS[form](forward, rows, tile)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    return out.reshape(*x.shape[:-1], *out.shape[1:])  # an embedding's [rows, 1] ids give [rows, 1, H]
 
 
 def form_label(form: str, tile: int | None) -> str:

@@ -101,6 +101,8 @@ def tile_sizes(rows: int, tile: int | None = None) -> list[int]:
     """The tile sizes T to try: the user's, else TILE_ROWS up to the probe's rows (the smallest
     always: a small batch may still need tiles, on a GPU)."""
     if tile is not None:
+        if tile < 1:
+            raise ValueError(f"a tile holds at least one row (got {tile})")
         return [tile]
     return [t for t in TILE_ROWS if t <= max(rows, TILE_ROWS[0])]
 
@@ -277,16 +279,17 @@ def _fallback_line(verdicts: list[FormVerdict], chosen: FormVerdict) -> str | No
     )
 
 
-def _plan_cost(by_part: dict[str, list[FormVerdict]], tile: int | None, rows: int) -> float:
+def _plan_cost(by_part: dict[str, list[FormVerdict]], counts: dict[str, int], tile: int | None, rows: int) -> float:
     """Milliseconds per request and token of every row-wise module in its chosen form at `tile`,
     for a run that decodes each request alone (its reference) and in a batch of `rows`: one call
     on one row plus a `rows`-th of one call on the batch (tiles of 64 are cheap at 64 rows and pay
-    64 rows for a solo step). The attention does not depend on T."""
+    64 rows for a solo step), times the modules of the part in the whole model (`counts`; the
+    verdicts cover the sampled layers only). The attention does not depend on T."""
     total = 0.0
     for part, verdicts in by_part.items():
         if part != "attention":
             chosen = _first_exact(verdicts, ROW_FORMS, tile)
-            total += ((chosen.ms_one_row or 0.0) + (chosen.ms or 0.0) / rows) * chosen.modules
+            total += ((chosen.ms_one_row or 0.0) + (chosen.ms or 0.0) / rows) * counts[part]
     return total
 
 
@@ -297,8 +300,9 @@ def plan_from(model, verdicts: list[FormVerdict], chunk: int, tiles: list[int] =
     by_part: dict[str, list[FormVerdict]] = {}
     for v in verdicts:
         by_part.setdefault(v.part, []).append(v)
+    counts = {part: sum(_part_matches(part, n, m) for n, m in named.items()) for part in by_part}
     needs_tile = any(v.tile is not None for v in verdicts)
-    tile = min(tiles, key=lambda t: _plan_cost(by_part, t, rows)) if needs_tile and tiles else None
+    tile = min(tiles, key=lambda t: _plan_cost(by_part, counts, t, rows)) if needs_tile and tiles else None
     forms, fallbacks, attention, tiled = {}, [], "batched", False
     for part, part_verdicts in by_part.items():
         order = ATTENTION_FORMS if part == "attention" else ROW_FORMS
