@@ -189,6 +189,15 @@ def regrouped_calls(calls: list[tuple], pads: list[int], align: int):
             yield repadded_call(call[:6], pads, new_pads, keys)
 
 
+def aligned_verdict(checks, calls, pads: list[int], form: AttentionForm) -> tuple[bool, float, list[int]]:
+    """`form_verdict` of an aligned form on the probe's checks (its calls and synthetic ones) and on
+    its real `calls` re-padded so that the groups hold several rows (`regrouped_calls`); differing
+    pads are those of either axis."""
+    exact, worst, differing = form_verdict(checks, pads, form)
+    ok, diff, more = form_verdict(regrouped_calls(calls, pads, form.align), grouping_pads(len(pads), form.align), form)
+    return exact and ok, max(worst, diff), sorted(set(differing) | set(more))
+
+
 def synthetic_long_calls(call, pads: list[int], lengths=(KV_BLOCK // 2 + 3, KV_BLOCK, KV_BLOCK + 40)) -> list[tuple]:
     """The captured call's module on random keys of other lengths (up to a kernel block and past
     it), so a form is checked beyond the probe prompt's length: call tuples with their per-row

@@ -21,11 +21,9 @@ from mgbench.engines.inprocess.attention_forms import (
     KV_BLOCK,
     PER_ROW,
     AttentionForm,
+    aligned_verdict,
     attend,
-    form_verdict,
-    grouping_pads,
     per_row,
-    regrouped_calls,
     rows_differing,
     synthetic_long_calls,
 )
@@ -281,7 +279,7 @@ def _attention_findings(capture: _Capture, pad_lens: list[int], implementation: 
     if implementation == "sdpa":  # the grouped form calls SDPA itself: only an SDPA model's solo call
         for align in ALIGNMENTS:
             form = AttentionForm("aligned", align)
-            candidates.append((form, _aligned_verdict(checks, calls, pad_lens, form)))
+            candidates.append((form, aligned_verdict(checks, calls, pad_lens, form)))
     # Timed on the probe's own call and on one-block-long random keys: a form that only wins on
     # short keys (the probe prompt) would lose at serving lengths.
     timing = [calls[0], next(c for c in synthetic if c[3].shape[2] == KV_BLOCK)]
@@ -309,15 +307,6 @@ def _attention_findings(capture: _Capture, pad_lens: list[int], implementation: 
         finding.form = "chosen" if form == chosen else ("not exact: never used" if not finding.invariant else "")
     plain.form, plain.batched_ms, plain.form_ms = chosen.label, timing_batched_ms, best_ms  # on the timing calls
     return findings, chosen, differing_rows
-
-
-def _aligned_verdict(checks, calls, pad_lens: list[int], form: AttentionForm):
-    """`form_verdict` on the probe's calls and on real calls re-padded so that its groups hold
-    several rows (`regrouped_calls`); differing pads are those of either axis."""
-    exact, worst, differing = form_verdict(checks, pad_lens, form)
-    grouped = regrouped_calls(calls, pad_lens, form.align)
-    ok, diff, more = form_verdict(grouped, grouping_pads(len(pad_lens), form.align), form)
-    return exact and ok, max(worst, diff), sorted(set(differing) | set(more))
 
 
 def _assembled(model, prefills: list[RowPrefill]):
