@@ -39,30 +39,6 @@ def random_prompts(lengths, vocab: int, seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
 
 
-class RowCountPerturbedLinear(torch.nn.Linear):
-    """PLANTED VARIANCE: a linear layer whose result depends on the row count, as the bf16 GEMMs of
-    some CPUs do: called with more than `invariant_up_to` rows, every output is offset by `delta`.
-    Stands in for a varying kernel on machines where none varies."""
-
-    def __init__(self, linear: torch.nn.Linear, invariant_up_to: int, delta: float = 0.01):
-        super().__init__(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            dtype=linear.weight.dtype,
-            device=linear.weight.device,
-        )
-        self.load_state_dict(linear.state_dict())
-        self.invariant_up_to, self.delta = invariant_up_to, delta
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        return self.perturb(out) if x.shape[0] > self.invariant_up_to else out
-
-    def perturb(self, out: torch.Tensor) -> torch.Tensor:
-        return out + self.delta
-
-
 class _PlantedLinear(torch.nn.Linear):
     """A copy of `linear` whose forward a planted variance changes (`rows`: the GEMM's M, every
     leading dimension folded, as a vendor kernel sees it)."""
@@ -79,6 +55,23 @@ class _PlantedLinear(torch.nn.Linear):
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, x.shape[-1])
+
+
+class RowCountPerturbedLinear(_PlantedLinear):
+    """PLANTED VARIANCE: a linear layer whose result depends on the row count, as the bf16 GEMMs of
+    some CPUs do: called with more than `invariant_up_to` rows, every output is offset by `delta`.
+    Stands in for a varying kernel on machines where none varies."""
+
+    def __init__(self, linear: torch.nn.Linear, invariant_up_to: int, delta: float = 0.01):
+        super().__init__(linear)
+        self.invariant_up_to, self.delta = invariant_up_to, delta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return self.perturb(out) if x.shape[0] > self.invariant_up_to else out
+
+    def perturb(self, out: torch.Tensor) -> torch.Tensor:
+        return out + self.delta
 
 
 class SplitKAboveLinear(_PlantedLinear):
