@@ -10,7 +10,8 @@ and the teacher-forced logits of every row and step compared with that reference
   verified (`none (start-aligned)` in `mgbench compare`); reference stock solo. Between plain and
   fixed-order, it tells the cost of the cache from the cost of the kernels.
 - fixed-order: every forward in the fixed-order kernels (`--kernels fixed-order`, planned by its
-  probe at the largest batch size); reference solo through the same kernels.
+  probe at each batch size, as a run at that `--batch-size` plans it); reference solo through the
+  same kernels (one solo pass per distinct plan).
 - fixed-order-per-row: the same plan with every chunks or tiles form run per row instead (what the
   mode ran before it had tiles); reference solo through its own kernels.
 - batch-invariant: stock kernels, each row made to reproduce stock solo (`--batch-invariant`,
@@ -162,24 +163,33 @@ def main() -> None:
         references = {"plain": solos, "batch-invariant": solos}
         fixed_modes = [m for m in modes if m in ("start-aligned", "fixed-order", "fixed-order-per-row")]
         kernels_of, forms = {"plain": STOCK, "batch-invariant": STOCK}, {"plain": "stock"}
-        fixed_prefills = {}
-        if fixed_modes:  # one probe covers every batch size up to the largest
-            probe = probe_fixed_order(model, prompts, rows=max(2, max(sizes)), tile=args.tile_rows)
+        fixed_prefills, known_plans = {}, {}
+
+        def fixed_order_for(size: int) -> None:
+            """Probe at this batch size (what `--kernels fixed-order --batch-size B` does); the solo
+            reference of each plan through its own kernels, once per distinct plan."""
+            probe = probe_fixed_order(model, prompts, rows=max(2, size), tile=args.tile_rows)
             plans = {"fixed-order": probe.plan, "fixed-order-per-row": per_row_instead(probe.plan)}
             for mode in ("fixed-order", "fixed-order-per-row"):
                 if mode in modes or (mode == "fixed-order" and "start-aligned" in modes):
                     kernels_of[mode] = Kernels("fixed-order", plans[mode])
-                    with kernels_of[mode].active(model):
-                        references[mode] = [run_solo(model, p, n, eos, kernels_of[mode]) for p in prompts]
+                    kernels, key = kernels_of[mode], repr(plans[mode])
+                    if key not in known_plans:
+                        with kernels.active(model):
+                            known_plans[key] = [run_solo(model, p, n, eos, kernels) for p in prompts]
+                    references[mode] = known_plans[key]
                     fixed_prefills[mode] = [s.row_prefill for s in references[mode]]  # prefills in its kernels
                     forms[mode] = plan_line(plans[mode])
             references["start-aligned"], forms["start-aligned"] = solos, "stock over the start-aligned cache"
             console.print(
-                f"fixed-order probe ({probe.seconds:.0f} s): {forms['fixed-order']}; chunk vs steps "
+                f"batch {size}: fixed-order probe ({probe.seconds:.0f} s): {forms['fixed-order']}; chunk vs steps "
                 f"{probe.chunk_vs_steps}",
                 style="dim",
             )
+
         for size in sizes:
+            if fixed_modes:
+                fixed_order_for(size)
             batches = [list(range(s, min(s + size, len(prompts)))) for s in range(0, len(prompts), size)]
 
             def take(values, members):

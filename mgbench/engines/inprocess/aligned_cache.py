@@ -9,7 +9,9 @@ them), so the keys of the first n chunks are one contiguous block: the attention
 products run as one batched matmul over views, with no per-step copy or concatenation.
 
 Keys and values are stored in float32 (the bf16 values exactly, widened once when written), the
-precision the fixed-order attention computes in.
+precision the fixed-order attention computes in. Values carry a last column of ones
+([.., chunk, head_dim + 1]): the attention's P@V product sums the softmax's denominator with them.
+A step's writes go through flat indices computed once in `feed`, shared by every layer.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from mgbench.engines.inprocess.cache import LayerKV
 def prompt_lengths(rows: list[LayerKV]) -> list[int]:
     """Each row's prompt length: its longest layer (sliding-window layers keep fewer keys)."""
     return [max(k.shape[-2] for k, _ in layers) for layers in rows]
+
+
+def with_ones(values: torch.Tensor) -> torch.Tensor:
+    """Values [.., head_dim] with the last column of ones the fixed-order attention takes."""
+    return torch.cat([values, values.new_ones((*values.shape[:-1], 1))], -1)
 
 
 def chunks_for(positions: int, chunk: int) -> int:
@@ -37,7 +44,7 @@ class StartAlignedCache:
         shape = (chunks_for(capacity, chunk), batch, kv_heads, chunk, head_dim)
         transposed = (*shape[:3], head_dim, chunk)
         self.keys = [torch.zeros(transposed, dtype=torch.float32, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(layers)]
+        self.values = [with_ones(torch.zeros(shape, dtype=torch.float32, device=device)) for _ in range(layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # keys written per row
         self.positions: torch.Tensor | None = None  # [batch, q] positions of the tokens being fed
         self.fed_chunks = 0  # chunks that hold every key up to the furthest position fed
@@ -66,7 +73,7 @@ class StartAlignedCache:
         positions = torch.arange(start, start + k.shape[1], device=k.device)
         chunk, offset = positions // self.chunk, positions % self.chunk
         self.keys[layer][chunk, row, :, :, offset] = k.transpose(0, 1).float()
-        self.values[layer][chunk, row, :, offset] = v.transpose(0, 1).float()
+        self.values[layer][chunk, row, :, offset, :-1] = v.transpose(0, 1).float()
 
     @property
     def capacity(self) -> int:
@@ -81,6 +88,21 @@ class StartAlignedCache:
         self.positions, self.fed_chunks = positions, chunks_for(furthest + 1, self.chunk)
         self._masks = {}  # one attention mask per window size, shared by the step's layers
         self.lengths = torch.maximum(self.lengths, positions.max(-1).values + 1)
+        self._slots = self._write_slots(positions)
+
+    def _write_slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat indices, into one layer's keys and values, of every element the step writes: [B, q,
+        kv_heads, head_dim] in the layout of the new keys (transposed to [B, q, kv_heads, head_dim])."""
+        n, batch, kv_heads, chunk, width = self.values[0].shape
+        head_dim = width - 1
+        chunk_of, offset = positions // chunk, positions % chunk  # [B, q]
+        block = (chunk_of * batch + self._rows.view(-1, 1)).view(batch, -1, 1, 1) * kv_heads
+        block = block + torch.arange(kv_heads, device=positions.device).view(1, 1, -1, 1)  # [B, q, kvh, 1]
+        dims = torch.arange(head_dim, device=positions.device).view(1, 1, 1, -1)
+        offset = offset.view(batch, -1, 1, 1)
+        keys = block * (head_dim * chunk) + dims * chunk + offset
+        values = block * (chunk * width) + offset * width + dims
+        return keys, values
 
     def mask_for(self, window, build):
         """The step's attention mask for `window` (built once by `build`, reused by every layer)."""
@@ -92,11 +114,9 @@ class StartAlignedCache:
         """Write the new keys [batch, kv_heads, q, head_dim] at each row's positions; return the
         first n chunks of keys and values ([n, batch, kv_heads, head_dim, chunk] and [n, batch,
         kv_heads, chunk, head_dim] views), n covering the furthest position fed."""
-        positions = self.positions
-        rows = self._rows.view(-1, 1).expand_as(positions)
-        chunk, offset = positions // self.chunk, positions % self.chunk
-        self.keys[layer_idx][chunk, rows, :, :, offset] = key.transpose(1, 2).float()
-        self.values[layer_idx][chunk, rows, :, offset] = value.transpose(1, 2).float()
+        key_slots, value_slots = self._slots
+        self.keys[layer_idx].put_(key_slots, key.transpose(1, 2).float())
+        self.values[layer_idx].put_(value_slots, value.transpose(1, 2).float())
         return self.keys[layer_idx][: self.fed_chunks], self.values[layer_idx][: self.fed_chunks]
 
     def columns_of_row(self, row: int, start: int, count: int, dtype) -> torch.Tensor:
@@ -106,7 +126,7 @@ class StartAlignedCache:
         chunk, offset = positions // self.chunk, positions % self.chunk
         return torch.stack(
             [
-                torch.stack((k[chunk, row, :, :, offset], v[chunk, row, :, offset])).transpose(1, 2)
+                torch.stack((k[chunk, row, :, :, offset], v[chunk, row, :, offset, :-1])).transpose(1, 2)
                 for k, v in self.layers
             ]
         ).to(dtype)
@@ -123,6 +143,7 @@ class StartAlignedCache:
         view.values = [v[:, row : row + 1] for v in self.values]
         view.lengths = self.lengths[row : row + 1].clone()
         view.positions, view.fed_chunks, view._rows, view._masks = None, 0, self._rows[:1], {}
+        view._slots = None
         return view
 
 

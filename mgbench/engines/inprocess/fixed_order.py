@@ -6,8 +6,9 @@ promise), not stock solo decoding (what `--batch-invariant` reproduces, at solo 
 
 - Attention over a start-aligned cache (`aligned_cache.py`): scores over head_dim only, as
   fixed-shape per-item products (one [G, head_dim] x [head_dim, CHUNK] matmul per chunk of keys,
-  row and query), in float32; the softmax's max is order-free; its denominator and P@V are summed
-  within each chunk by fixed-shape ops, then across chunks by a sequential scan (cumsum) from
+  row and query), in float32; the softmax's max is order-free; P@V and its denominator are summed
+  within each chunk by one fixed-shape product (the values carry a ones column), then across
+  chunks by a sequential scan (cumsum) from
   position 0, so keys past a row's end (masked, exact zeros) never reorder its sums. Queries of a
   multi-token forward are folded into the items: each takes exactly a decode step's reductions.
 - Row-wise modules (linear layers, the lm_head, norms, ...) in the first form the probe found exact
@@ -43,48 +44,55 @@ def fixed_order_attention(
     scaling: float,
     window: int | None = None,
     softcap: float | None = None,
-    hidden: torch.Tensor | None = None,
+    masks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """query [B, heads, q, head_dim]; keys [n, B, kv_heads, head_dim, chunk] (each chunk transposed:
     the scores' product reads it contiguous, 40% faster than a transposed view here), values
-    [n, B, kv_heads, chunk, head_dim], float32 (start-aligned); positions [B, q] of the queries.
-    Returns [B, q, heads, head_dim] in the query's dtype. Key j is visible to a query at position p
-    iff j <= p (and p - j < window); `hidden` is `hidden_keys` of these arguments when the caller
-    keeps it (one per step and window)."""
-    n, batch, kv_heads, chunk, head_dim = values.shape
+    [n, B, kv_heads, chunk, head_dim + 1] whose last column is ones (`with_ones`: the P@V product
+    sums the softmax's denominator in the same fixed-shape call), float32 (start-aligned);
+    positions [B, q] of the queries. Returns [B, q, heads, head_dim] in the query's dtype. Key j is
+    visible to a query at position p iff j <= p (and p - j < window); `masks` is `key_masks` of
+    these arguments when the caller keeps it (one per step and window)."""
+    n, batch, kv_heads, chunk, width = values.shape
     heads, q = query.shape[1], query.shape[2]
-    group = heads // kv_heads
+    group, head_dim = heads // kv_heads, width - 1
     items = n * batch * q * kv_heads
     # The scaling goes into the query (one [B, heads, q, d] product instead of one over every score);
     # exact when it is a power of two, as 1/sqrt(head_dim) is for head_dim 64 or 256.
     qf = (query.float() * scaling).view(batch, kv_heads, group, q, head_dim).permute(0, 3, 1, 2, 4)
     qe = qf.unsqueeze(0).expand(n, batch, q, kv_heads, group, head_dim).reshape(items, group, head_dim)
     ke = keys.unsqueeze(2).expand(n, batch, q, kv_heads, head_dim, chunk).reshape(items, head_dim, chunk)
-    ve = values.unsqueeze(2).expand(n, batch, q, kv_heads, chunk, head_dim).reshape(items, chunk, head_dim)
+    ve = values.unsqueeze(2).expand(n, batch, q, kv_heads, chunk, width).reshape(items, chunk, width)
     scores = torch.bmm(qe, ke).view(n, batch, q, kv_heads, group, chunk)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    hidden = hidden if hidden is not None else hidden_keys(positions, n, chunk, window)
-    top = scores.masked_fill(hidden, float("-inf")).amax(dim=(0, 5), keepdim=True)  # a max is exact in any order
-    # Hidden keys become exp(0) and then 0: exp of -inf (or of anything that underflows) takes a
-    # slow path, 10x the time of the whole exp here; visible keys get exactly exp(score - top).
-    p = (scores - top).masked_fill_(hidden, 0.0).exp_().masked_fill_(hidden, 0.0)
-    denominator = p.sum(-1).cumsum(0)[-1]  # per chunk, then chunk by chunk from position 0
-    pv = torch.bmm(p.view(items, group, chunk), ve).view(n, batch, q, kv_heads, group, head_dim)
-    out = pv.cumsum(0)[-1] / denominator.unsqueeze(-1)  # [B, q, kvh, G, d]
+    hiding, visible = masks if masks is not None else key_masks(positions, n, chunk, window)
+    top = torch.add(scores, hiding).amax(dim=(0, 5), keepdim=True)  # a max is exact in any order
+    # Visible keys get exactly exp(score - top) (<= 0; below -87 it is under 1.7e-38, nothing
+    # beside the top key's 1). Hidden keys are clamped to that range, then zeroed: exp of -inf, or
+    # of anything that underflows, takes a slow path (10x the time of the whole exp here).
+    p = scores.sub_(top).clamp_(-87.0, 0.0).exp_().mul_(visible)
+    # P@V and its denominator (the ones column) per chunk, then chunk by chunk from position 0:
+    # keys past a row's end (exact zeros) never reorder its sums.
+    pv = torch.bmm(p.view(items, group, chunk), ve).view(n, batch, q, kv_heads, group, width).cumsum(0)[-1]
+    out = pv[..., :head_dim] / pv[..., head_dim:]  # [B, q, kvh, G, d]
     return out.to(query.dtype).reshape(batch, q, heads, head_dim)
 
 
-def hidden_keys(positions: torch.Tensor, n: int, chunk: int, window: int | None = None) -> torch.Tensor:
-    """Mask [n, B, q, 1, 1, chunk]: True where a key is hidden from the query (past its position,
-    or out of its window)."""
+def key_masks(
+    positions: torch.Tensor, n: int, chunk: int, window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hiding, visible) [n, B, q, 1, 1, chunk] float32: -inf / 0 where a key is hidden from the query
+    (past its position, or out of its window), 0 / 1 where it is visible."""
     batch, q = positions.shape
     key_pos = torch.arange(n * chunk, device=positions.device).view(n, 1, 1, chunk)
     query_pos = positions.view(1, batch, q, 1)
     hidden = key_pos > query_pos
     if window is not None:
         hidden |= key_pos <= query_pos - window
-    return hidden.view(n, batch, q, 1, 1, chunk)
+    hidden = hidden.view(n, batch, q, 1, 1, chunk)
+    hiding = torch.zeros(hidden.shape, device=positions.device).masked_fill_(hidden, float("-inf"))
+    return hiding, (~hidden).float()
 
 
 def per_row_attention(query, keys, values, positions, *args) -> torch.Tensor:
@@ -128,10 +136,10 @@ def _attention(base, module, query, key, value, attention_mask, **kwargs):
     form, arguments = _FORM.get(), attention_arguments(module, kwargs)
     if form != "batched":
         return attention_in_form(form)(query, key, value, cache.positions, *arguments), None
-    hidden = cache.mask_for(
-        arguments[1], lambda: hidden_keys(cache.positions, value.shape[0], value.shape[3], arguments[1])
+    masks = cache.mask_for(
+        arguments[1], lambda: key_masks(cache.positions, value.shape[0], value.shape[3], arguments[1])
     )
-    return attention_in_form(form)(query, key, value, cache.positions, *arguments, hidden), None
+    return attention_in_form(form)(query, key, value, cache.positions, *arguments, masks), None
 
 
 # --- row-wise modules ------------------------------------------------------------------------

@@ -11,8 +11,9 @@ is exact when no row differs anywhere. The plan takes, per part, the first exact
 `as-is`, `never-one-row`, `chunks` of at most T rows, `tiles` of exactly T rows, `per-row`
 (attention: `batched`, `per-row`); per row is exact by construction (the solo call itself), so a
 part never lacks a form, and a fallback is said with its cost. T is the tried size whose plan
-costs least per request and token of a solo step plus a batched one (each form timed on one row
-and on the probe batch), or the one the user set.
+costs least for a decode step at the probe's batch size (each form timed on the probe batch; a
+one-row step breaks ties), or the one the user set: tiles of 64 cost nothing at 64 rows and pad a
+solo step to 64 rows, which `--tile-rows` trades back where small batches matter.
 
 It also checks that a chunk of tokens fed in one forward gives the logits of the same tokens fed
 step by step (verification as a chunk needs that equality), and times each form.
@@ -279,23 +280,27 @@ def _fallback_line(verdicts: list[FormVerdict], chosen: FormVerdict) -> str | No
     )
 
 
-def _plan_cost(by_part: dict[str, list[FormVerdict]], counts: dict[str, int], tile: int | None, rows: int) -> float:
-    """Milliseconds per request and token of every row-wise module in its chosen form at `tile`,
-    for a run that decodes each request alone (its reference) and in a batch of `rows`: one call
-    on one row plus a `rows`-th of one call on the batch (tiles of 64 are cheap at 64 rows and pay
-    64 rows for a solo step), times the modules of the part in the whole model (`counts`; the
-    verdicts cover the sampled layers only). The attention does not depend on T."""
-    total = 0.0
+def _plan_cost(
+    by_part: dict[str, list[FormVerdict]], counts: dict[str, int], tile: int | None, rows: int
+) -> tuple[float, float]:
+    """(milliseconds of a `rows`-row decode step, of a one-row step) through every row-wise module
+    in its chosen form at `tile`, times the modules of the part in the whole model (`counts`; the
+    verdicts cover the sampled layers only). T is chosen for the batched step, what the mode costs
+    where it runs at this batch size (a deployment at this load, the timed pass of `compare`); the
+    one-row step (a solo reference step; tiles pad it to T rows) breaks ties. The attention does
+    not depend on T."""
+    batched = solo = 0.0
     for part, verdicts in by_part.items():
         if part != "attention":
             chosen = _first_exact(verdicts, ROW_FORMS, tile)
-            total += ((chosen.ms_one_row or 0.0) + (chosen.ms or 0.0) / rows) * counts[part]
-    return total
+            batched += (chosen.ms or 0.0) * counts[part]
+            solo += (chosen.ms_one_row or 0.0) * counts[part]
+    return batched, solo
 
 
 def plan_from(model, verdicts: list[FormVerdict], chunk: int, tiles: list[int] = (), rows: int = 1) -> FixedOrderPlan:
     """The plan: each part's first exact form, applied to every module of that part, at the tried
-    tile size whose plan costs least for solo and `rows`-row steps (None where no part needs one)."""
+    tile size whose plan costs least for a `rows`-row step (None where no part needs one)."""
     named = dict(model.named_modules())
     by_part: dict[str, list[FormVerdict]] = {}
     for v in verdicts:
