@@ -110,3 +110,24 @@ def planted_model_dir(tiny_model_dir, tmp_path_factory):
     shutil.copytree(tiny_model_dir, folder)
     (folder / PLANT_MARKER).write_text(json.dumps({"module": "lm_head", "delta": 1.0, "invariant_up_to": 1}))
     return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def every_table_row_fills_its_headers():
+    """Every terminal table mgbench prints has as many cells per row as it has headers: rich adds
+    an unnamed column for an extra cell and pads a short row, so a row one cell off prints every
+    later figure under the wrong header without an error. Checked wherever a test renders one."""
+    from rich.table import Table
+
+    add_row = Table.add_row
+
+    def checked(self, *cells, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith("mgbench") and len(cells) != len(self.columns):
+            headers = [str(c.header) for c in self.columns]
+            raise AssertionError(f"{caller}: a row of {len(cells)} cells under {len(headers)} headers {headers}")
+        return add_row(self, *cells, **kwargs)
+
+    Table.add_row = checked
+    yield
+    Table.add_row = add_row

@@ -212,6 +212,7 @@ def render_verify(console: Console, summary: dict) -> None:
         "sequences",
         "identical",
         "determinism",
+        "against",
         "trigger rate",
         "repairs",
         "decode s",
@@ -224,7 +225,7 @@ def render_verify(console: Console, summary: dict) -> None:
             str(row["sequences"]),
             str(row["identical"]),
             _determinism(row["determinism"]),
-            row.get("reference", "stock solo"),
+            row.get("reference") or summary.get("reference") or "stock solo",  # runs before the field: stock
             _pct(row["trigger_rate"]),
             str(row["repairs"]),
             _fmt(row.get("decode_s"), 3),
@@ -299,7 +300,7 @@ def render_compare(console: Console, summary: dict) -> None:
             _fmt(row["tokens_per_s"], 3),
             _pct(row["increment"]),
             _determinism(row["determinism"]),
-            row.get("reference", "stock solo"),
+            row.get("reference") or summary.get("reference") or "stock solo",  # runs before the field: stock
             _pct(row["trigger_rate"]),
             _fmt(row["repairs"]),
             _fmt(row.get("replayed_per_token"), 3),
