@@ -109,10 +109,16 @@ def test_compare_harness_excludes_warmup_and_reports_every_config(compare_run_di
         "oracle/exact",
         "fixed-order kernels",
         "none (start-aligned)",
-        "window W=16",
-        "window W=64",
-        "margin<0.05/replay",
-        "margin<0.05/replay (no end check)",
+        "window W=64, N=8",
+        "window W=64, N=16",
+        "window W=64, per row",
+        "window W=32, N=8",
+        "window W=32, N=16",
+        "window W=32, per row",
+        "margin<0.05/replay N=8",
+        "margin<0.05/replay N=8, waits",
+        "margin<0.05/replay N=8 (no end check)",
+        "margin<0.05/replay per row",
         "batch-invariant",
         "solo",
     ]
@@ -172,11 +178,21 @@ def test_batch_invariant_baseline_is_exact(compare_run_dir):
     assert {by[c]["reference"] for c in fixed_order_configs} == {"fixed-order solo"}
     assert summary["fixed_order"]["stock_solo"]["requests"] == summary["sequences"]
     # Replay verification against the fixed-order reference: exact with the end check, by construction.
-    for config in ("window W=16", "window W=64", "margin<0.05/replay"):
+    replays = [c for c in by if c.startswith("window") or c.startswith("margin") and "/replay" in c]
+    exact = [c for c in replays if "no end check" not in c]
+    assert len(exact) == 9
+    for config in exact:
         assert by[config]["determinism"] == 1.0 and by[config]["reference"] == "fixed-order solo"
         assert by[config]["replayed"] > 0
+    # Packed: every verify forward computed exactly N rows of W tokens (dummies and padding included).
+    recorded = pd.read_parquet(compare_run_dir / "compare.parquet")
+    runs_first = recorded[recorded["repeat"] == 0].set_index("config")
+    for config, n, w in (("window W=64, N=8", 8, 64), ("window W=32, N=16", 16, 32)):
+        assert runs_first.loc[config, "verify_slots"] == runs_first.loc[config, "verify_forwards"] * n * w
     pairs = {(r["window"], r["gate"]) for r in summary["replay_reductions"]}
-    assert ("window W=64", "margin<0.05/replay") in pairs
+    assert ("window W=64, N=8", "margin<0.05/replay N=8") in pairs
+    assert ("window W=64, per row", "margin<0.05/replay per row") in pairs
+    assert ("window W=64, N=8", "margin<0.05/replay per row") not in pairs  # same N only
     # Per sequence (first repeat): the replay counts add up to the configuration's row.
     sequences = pd.read_parquet(compare_run_dir / "replay_sequences.parquet")
     runs = pd.read_parquet(compare_run_dir / "compare.parquet")
@@ -186,7 +202,7 @@ def test_batch_invariant_baseline_is_exact(compare_run_dir):
         assert group["replayed"].sum() == first.loc[config, "replayed"]
         assert group["rollbacks"].sum() == first.loc[config, "repairs"]
         assert group["replays"].sum() == first.loc[config, "triggers"]
-    assert sequences.loc[sequences["config"] == "window W=64", "first_divergence"].isna().all()
+    assert sequences.loc[sequences["config"] == "window W=64, N=8", "first_divergence"].isna().all()
     assert summary["batch_invariant"]["exact_on_probe"] is True
 
 

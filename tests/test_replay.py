@@ -1,8 +1,11 @@
-"""Verification by replay against the fixed-order reference: LLM-42's window policy and MarginGate.
+"""Verification by replay against the fixed-order reference: LLM-42's window policy and MarginGate,
+each row replayed alone (N = 1) or packed into verify batches of exactly N rows of W tokens.
 
 Controls: a stock-path head planted to force a token the reference never emits must be caught and rolled
-back (window, and MarginGate with the end check) while unverified decoding diverges; tokens that the
-fixed-order kernels produced step by step must replay without a rollback (a chunk equals its steps)."""
+back (window, and MarginGate with the end check, at N = 1, 8 and 16: 5 rows, so every packed batch
+carries dummy rows) while unverified decoding diverges; tokens that the fixed-order kernels produced
+step by step must replay without a rollback (a chunk equals its steps), and a packed verify batch
+must give each row the logits it gets replayed alone, bitwise."""
 
 import pytest
 import torch
@@ -12,10 +15,16 @@ from mgbench.engines.inprocess import fixed_order
 from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, StockAlignedCache
 from mgbench.engines.inprocess.fixed_order_probe import probe_fixed_order
 from mgbench.engines.inprocess.kernels import Kernels
-from mgbench.engines.inprocess.replay import ReplaySpec, _replay, _Row, run_replay_verified
+from mgbench.engines.inprocess.replay import ReplaySpec, _Row, _Verifier, run_replay_verified
 from mgbench.engines.inprocess.runners import run_solo
 
 STEPS = 16
+SPECS = (
+    [ReplaySpec("window", window=w, rows=n) for w in (4, 64) for n in (1, 8, 16)]
+    + [ReplaySpec("margin", tau=0.5, rows=n) for n in (1, 8)]
+    + [ReplaySpec("margin", tau=0.5, rows=8, wait=True)]
+)
+VERIFY_CALLS = sorted({m for spec in SPECS for m in spec.verify_calls})
 
 
 class StockOnlyForcedToken(torch.nn.Module):
@@ -46,7 +55,10 @@ def setup(planted: bool, lengths=(5, 37, 70, 130, 12)):
         model.lm_head = StockOnlyForcedToken(model.lm_head)
     prompts = random_prompts(list(lengths), vocab=8192, seed=11)
     with torch.inference_mode():
-        kernels = Kernels("fixed-order", probe_fixed_order(model, prompts, rows=len(prompts)).plan)
+        # Planned for every forward the policies make: decode steps, replays of 1..W tokens, N x W batches.
+        probe = probe_fixed_order(model, prompts, rows=len(prompts), calls=VERIFY_CALLS, verify_rows=16)
+        assert probe.chunk_vs_steps["exact"]
+        kernels = Kernels("fixed-order", probe.plan)
         with kernels.active(model):
             solos = [run_solo(model, p, STEPS, set(), kernels) for p in prompts]
     if planted:
@@ -65,15 +77,15 @@ def planted():
     return setup(planted=True)
 
 
-@pytest.mark.parametrize(
-    "spec", [ReplaySpec("window", window=4), ReplaySpec("window", window=64), ReplaySpec("margin", tau=0.5)]
-)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.label)
 def test_a_planted_stock_flip_is_caught_and_rolled_back(planted, spec):
     model, prompts, kernels, solos = planted
     result = verified(model, prompts, kernels, solos, spec)
     assert result.tokens == [s.tokens.tolist() for s in solos]
     assert all(r >= 1 for r in result.rollbacks), "every row's first stock token was planted wrong"
     assert all(len(t) == STEPS for t in result.tokens)
+    if spec.rows > 1:  # every verify forward computed exactly N rows of W tokens
+        assert result.forwards >= 1 and result.fed == result.forwards * spec.rows * spec.window
     if spec.kind == "margin":  # the forced margin is one ulp: the gate fires at every batched step
         assert result.triggers == result.steps
 
@@ -95,25 +107,50 @@ def test_margin_without_the_end_check_leaves_the_tail_to_the_gate(planted):
     assert checked.tokens == [s.tokens.tolist() for s in solos] and all(v >= 1 for v in checked.verifications)
 
 
-def replay_solo_tokens(model, kernels, prompts, solos) -> list[_Row]:
-    """Each fixed-order solo output replayed in one chunk over its prefill: (rows after the replay)."""
-    rows = []
+def replay_solo_tokens(model, kernels, prompts, solos, spec=ReplaySpec("window", rows=1)) -> list[_Row]:
+    """Each fixed-order solo output replayed over its prefill, alone (N = 1) or packed (all rows
+    ready at once): the rows after the replay."""
+    rows = [_Row(len(prompt), int(solo.tokens[0])) for prompt, solo in zip(prompts, solos)]
     with torch.inference_mode(), fixed_order.aligned_attention(model, kernels.plan):
         layers = [s.row_prefill.layers for s in solos]
-        fixed = StartAlignedCache.from_prefills(layers, STEPS + 1, kernels.plan.chunk)
+        fixed = StartAlignedCache.from_prefills(layers, STEPS + spec.window + 1, kernels.plan.chunk, spare=1)
         stock = StockAlignedCache.from_prefills(layers, STEPS + 1)
-        for r, (prompt, solo) in enumerate(zip(prompts, solos)):
-            row = _Row(len(prompt), int(solo.tokens[0]))
+        verifier = _Verifier(model, kernels, fixed, stock, spec, 0)
+        for row, solo in zip(rows, solos):
             row.tokens = solo.tokens.tolist()
-            _replay(model, kernels, fixed, stock, r, row)
-            rows.append(row)
+        if spec.rows == 1:
+            for r, row in enumerate(rows):
+                verifier.alone(r, row)
+        else:
+            verifier.packed(rows, list(range(len(rows))))
     return rows
 
 
-def test_fixed_order_tokens_replay_without_a_rollback():
+@pytest.mark.parametrize("spec", [ReplaySpec("window", rows=1), ReplaySpec("window", window=8, rows=8)])
+def test_fixed_order_tokens_replay_without_a_rollback(spec):
     model, prompts, kernels, solos = setup(planted=False)
-    for row, solo in zip(replay_solo_tokens(model, kernels, prompts, solos), solos):
+    for row, solo in zip(replay_solo_tokens(model, kernels, prompts, solos, spec), solos):
         assert row.rollbacks == 0 and row.verified == len(solo.tokens) and row.replayed == len(solo.tokens) - 1
+
+
+def test_a_packed_verify_batch_equals_its_rows_replayed_alone_bitwise():
+    """Five rows of unequal lengths and three dummy rows in one verify batch of 8 x 12 tokens: each
+    real row's logits equal those of the same tokens fed to that row alone, unpadded."""
+    model, prompts, kernels, solos = setup(planted=False)
+    w, layers = 12, [s.row_prefill.layers for s in solos]
+    feeds = [s.tokens[: 3 + 2 * r].tolist() for r, s in enumerate(solos)]  # 3, 5, .. tokens per row
+    with torch.inference_mode(), fixed_order.fixed_order_kernels(model, kernels.plan):
+        fixed = StartAlignedCache.from_prefills(layers, STEPS + w, kernels.plan.chunk, spare=1)
+        members = list(range(len(prompts))) + [len(prompts)] * 3
+        inputs = torch.tensor([f + [0] * (w - len(f)) for f in feeds] + [[0] * w] * 3)
+        starts = torch.tensor([len(p) for p in prompts] + [0] * 3)
+        packed = fixed.gather(members)
+        logits = fixed_order.fixed_order_forward(model, packed, inputs, starts.view(-1, 1) + torch.arange(w))
+        for r, feed in enumerate(feeds):
+            alone = StartAlignedCache.from_prefills([layers[r]], STEPS + w, kernels.plan.chunk)
+            positions = (len(prompts[r]) + torch.arange(len(feed))).view(1, -1)
+            expected = fixed_order.fixed_order_forward(model, alone, torch.tensor([feed]), positions)
+            assert torch.equal(logits[r, : len(feed)], expected[0]), f"row {r}"
 
 
 @pytest.mark.slow

@@ -27,12 +27,20 @@ from mgbench.engines.inprocess.audit import alone_or_stop, eos_token_ids, pad_to
 from mgbench.engines.inprocess.batch_invariant import InvariancePlan, decoding_mode
 from mgbench.engines.inprocess.kernels import Kernels
 from mgbench.engines.inprocess.policies import MarginGate
-from mgbench.engines.inprocess.replay import REPLAY_CHUNK, run_replay_verified
+from mgbench.engines.inprocess.replay import run_replay_verified
 from mgbench.engines.inprocess.runners import run_free, run_solo, synchronize
 from mgbench.engines.inprocess.step import StepContext
 from mgbench.engines.inprocess.stopwatch import Stopwatch
 from mgbench.errors import UserError
-from mgbench.pipelines.compare_configs import Config, Decoded, config_reference, configurations, replay_specs  # noqa: F401 (re-export)
+from mgbench.pipelines.compare_configs import (  # noqa: F401 (re-export)
+    Config,
+    Decoded,
+    config_reference,
+    configurations,
+    replay_pairs,
+    replay_specs,
+    verify_shape,
+)
 from mgbench.pipelines.prepared import PreparedRun, prepare
 from mgbench.pipelines.probe import fixed_order_probe_for_run, fixed_order_summary, probe_for_run, run_summary
 from mgbench.pipelines.session import finish_output, load_with_status, warn_split
@@ -65,6 +73,8 @@ def _decode_config(
             triggers, repairs = triggers + sum(result.verifications), repairs + sum(result.rollbacks)
             counts["replayed"] += sum(result.replayed)
             counts["discarded"] += sum(result.discarded)
+            counts["verify_forwards"] = counts.get("verify_forwards", 0) + result.forwards
+            counts["verify_slots"] = counts.get("verify_slots", 0) + result.fed
             outputs.update(dict(zip(members, result.tokens)))
             for row, i in enumerate(members):  # per sequence: what verification did to it
                 counts.setdefault("per_sequence", {})[i] = {
@@ -153,13 +163,19 @@ def time_configurations(
     rows, sequences = [], []
     probe = probe_for_run(lm, run, batch_size) if any(c.name == "batch-invariant" for c in configs) else None
     uses_fixed = any(c.replay is not None or c.name == "fixed-order kernels" for c in configs)
-    # Replays feed up to REPLAY_CHUNK tokens in one forward: the probe checks a chunk that long.
-    chunk = min(REPLAY_CHUNK, max(2, run.max_new_tokens))
-    fixed_probe = fixed_order_probe_for_run(lm, run, batch_size, chunk, tile_rows) if uses_fixed else None
+    # The probe checks every forward the replays make: W tokens of one row, N x W packed, and a
+    # verify batch of N rows of W tokens against the same rows' steps.
+    calls, verify_rows, verify_tokens = verify_shape([c.replay for c in configs if c.replay is not None])
+    fixed_probe = (
+        fixed_order_probe_for_run(lm, run, batch_size, max(2, verify_tokens), tile_rows, calls, verify_rows)
+        if uses_fixed
+        else None
+    )
     if fixed_probe is not None and not fixed_probe.chunk_vs_steps["exact"]:
+        check = fixed_probe.chunk_vs_steps
         err_console.print(
-            f"[bold yellow]fixed-order: a {chunk}-token chunk differs from its steps "
-            f"({fixed_probe.chunk_vs_steps['rows_differing']}/{fixed_probe.chunk_vs_steps['rows']} rows): the replay "
+            f"[bold yellow]fixed-order: a verify batch of {check['verify_rows']} rows x {check['tokens']} tokens "
+            f"differs from its steps ({check['rows_differing']}/{check['rows']} rows): the replay "
             "policies are not exact against their reference here[/]",
             highlight=False,
         )
@@ -337,10 +353,8 @@ def run_compare(
                 "base": "none (start-aligned)",
                 **figures.reduction_between(runs, window.label, gate.label, "none (start-aligned)"),
             }
-            for window in replay_specs(tau, unit)
-            if window.kind == "window"
-            for gate in replay_specs(tau, unit)
-            if gate.kind == "margin"
+            for window, gate in replay_pairs(replay_specs(tau, unit))
+            if window.label in set(runs["config"]) and gate.label in set(runs["config"])
         ],
         "breakdown": [
             {k: clean(v) for k, v in row.items()}

@@ -10,7 +10,8 @@ from mgbench.engines.inprocess.replay import ReplaySpec
 from mgbench.errors import UserError
 from mgbench.runs.options import reference_of
 
-WINDOWS = (16, 64)  # LLM-42's window sizes compared (64 is its default)
+WINDOWS = (64, 32)  # LLM-42's W: its server default, and its throughput artifact's
+VERIFY_BATCHES = (8, 16, 1)  # its N: server default, artifact, and each row replayed alone
 
 
 @dataclass
@@ -42,14 +43,35 @@ class Config:
 
 
 def replay_specs(tau: float, unit: str) -> list[ReplaySpec]:
-    """LLM-42's window at two sizes, MarginGate on the same reference with and without the end
-    check, and the same stock decoding unverified (what the replays' increments are made of)."""
-    return [
-        ReplaySpec("none"),
-        *(ReplaySpec("window", window=w) for w in WINDOWS),
+    """LLM-42's window at W = 64 and 32 in verify batches of N = 8, 16 and 1 (per row); MarginGate
+    on the same reference in batches of N = 8, verifying at once or waiting for company, with and
+    without the end check, and per row; and the same stock decoding unverified (what the replays'
+    increments are made of)."""
+    margin = [
         ReplaySpec("margin", tau=tau, unit=unit),
+        ReplaySpec("margin", tau=tau, unit=unit, wait=True),
         ReplaySpec("margin", tau=tau, unit=unit, end_check=False),
+        ReplaySpec("margin", tau=tau, unit=unit, rows=1),
     ]
+    windows = [ReplaySpec("window", window=w, rows=n) for w in WINDOWS for n in VERIFY_BATCHES]
+    return [ReplaySpec("none"), *windows, *margin]
+
+
+def replay_pairs(specs: list[ReplaySpec]) -> list[tuple[ReplaySpec, ReplaySpec]]:
+    """(window, MarginGate) pairs whose reduction is reported: the same verify batch rows N (packed
+    against packed, per row against per row)."""
+    windows = [s for s in specs if s.kind == "window"]
+    return [(w, g) for w in windows for g in specs if g.kind == "margin" and g.rows == w.rows]
+
+
+def verify_shape(specs: list[ReplaySpec]) -> tuple[list[int], int, int]:
+    """What the fixed-order probe must check for these replay policies: (row counts of their
+    forwards, the largest verify batch's rows, its tokens per row)."""
+    calls = sorted({m for s in specs for m in s.verify_calls})
+    packed = [s for s in specs if s.kind != "none" and s.rows > 1]
+    rows = max((s.rows for s in packed), default=0)
+    tokens = max((s.window for s in specs if s.kind != "none"), default=0)
+    return calls, rows, tokens
 
 
 def configurations(tau: float, unit: str, only: tuple[str, ...] | None = None) -> list[Config]:

@@ -55,18 +55,28 @@ def run_summary(report: ProbeReport) -> dict:
 
 
 def fixed_order_probe_for_run(
-    lm, run, batch_size: int | None = None, chunk_tokens: int = 8, tile: int | None = None
+    lm,
+    run,
+    batch_size: int | None = None,
+    chunk_tokens: int = 8,
+    tile: int | None = None,
+    calls: list[int] = (),
+    verify_rows: int = 0,
 ) -> FixedOrderProbe:
     """The fixed-order forms probed on this run's own prompts (cut to PROBE_MAX_TOKENS), as many
-    rows as its largest batch; a chunk of `chunk_tokens` checked against its steps; chunks and tiles
-    of `tile` rows (default: the run's --tile-rows, else each size the probe tries)."""
+    rows as its largest batch; a chunk of `chunk_tokens` checked against its steps (as a verify
+    batch of `verify_rows` rows where replays pack them); `calls`, the row counts of the replays'
+    forwards, checked too; chunks and tiles of `tile` rows (default: the run's --tile-rows, else
+    each size the probe tries)."""
     rows = probe_rows(batch_size if batch_size is not None else max(run.options.batch_sizes))
     prompts = [
         torch.tensor(datasets.encode(lm.tokenizer, run.config, r.text)[:PROBE_MAX_TOKENS], device=lm.device)
         for r in run.requests
     ]
     tile = tile if tile is not None else run.options.tile_rows
-    return probe_fixed_order(lm.model, prompts, rows, chunk_tokens=chunk_tokens, tile=tile)
+    return probe_fixed_order(
+        lm.model, prompts, rows, chunk_tokens=chunk_tokens, tile=tile, calls=calls, verify_rows=verify_rows
+    )
 
 
 def fixed_order_summary(probe: FixedOrderProbe) -> dict:

@@ -53,19 +53,21 @@ class StartAlignedCache:
 
     @classmethod
     def from_prefills(
-        cls, rows: list[LayerKV], extra: int, chunk: int, lengths: list[int] | None = None
+        cls, rows: list[LayerKV], extra: int, chunk: int, lengths: list[int] | None = None, spare: int = 0
     ) -> "StartAlignedCache":
         """The rows' prefills (each computed alone, [1, kv_heads, len, head_dim] per layer) at their
-        positions, with room for `extra` more tokens per row. A sliding-window layer's prefill keeps
-        only its last keys: they go to the prompt's last positions (`lengths`, the prompts' lengths;
-        by default each row's longest layer, wrong only where every layer slides)."""
+        positions, with room for `extra` more tokens per row, and `spare` empty rows after them (a
+        verify batch's dummy rows). A sliding-window layer's prefill keeps only its last keys: they
+        go to the prompt's last positions (`lengths`, the prompts' lengths; by default each row's
+        longest layer, wrong only where every layer slides)."""
         first = rows[0][0][0]
         lengths = lengths or prompt_lengths(rows)
-        cache = cls(len(rows[0]), len(rows), first.shape[1], first.shape[-1], max(lengths) + extra, chunk, first.device)
+        batch = len(rows) + spare
+        cache = cls(len(rows[0]), batch, first.shape[1], first.shape[-1], max(lengths) + extra, chunk, first.device)
         for row, (layers, length) in enumerate(zip(rows, lengths)):
             for index, (k, v) in enumerate(layers):
                 cache._write_span(index, row, length - k.shape[-2], k[0], v[0])
-        cache.lengths = torch.tensor(lengths, device=first.device)
+        cache.lengths = torch.tensor(lengths + [0] * spare, device=first.device)
         return cache
 
     def _write_span(self, layer: int, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -134,6 +136,29 @@ class StartAlignedCache:
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(zip(self.keys, self.values))
+
+    def gather(self, members: list[int]) -> "StartAlignedCache":
+        """A cache of the rows `members` (repeats allowed), copied: a verify batch of rows that are
+        not neighbours here. `scatter` writes it back."""
+        index = torch.tensor(members, device=self._rows.device)
+        packed = StartAlignedCache.__new__(StartAlignedCache)
+        packed.chunk, packed.batch = self.chunk, len(members)
+        packed.keys = [k.index_select(1, index) for k in self.keys]
+        packed.values = [v.index_select(1, index) for v in self.values]
+        packed.lengths = self.lengths.index_select(0, index)
+        packed.positions, packed.fed_chunks, packed._masks, packed._slots = None, 0, {}, None
+        packed._rows = torch.arange(len(members), device=self._rows.device)
+        return packed
+
+    def scatter(self, members: list[int], packed: "StartAlignedCache") -> None:
+        """Rows of `packed` (from `gather(members)`) back to their rows here; a row gathered more
+        than once (a dummy) takes its first copy."""
+        first = {m: i for i, m in reversed(list(enumerate(members)))}
+        here = torch.tensor(list(first), device=self._rows.device)
+        there = torch.tensor(list(first.values()), device=self._rows.device)
+        for mine, theirs in zip(self.keys + self.values, packed.keys + packed.values):
+            mine.index_copy_(1, here, theirs.index_select(1, there))
+        self.lengths = self.lengths.index_copy(0, here, packed.lengths.index_select(0, there))
 
     def row(self, row: int) -> "StartAlignedCache":
         """One row as a batch of one that shares this cache's storage (a replay writes through it)."""

@@ -108,12 +108,14 @@ def tile_sizes(rows: int, tile: int | None = None) -> list[int]:
     return [t for t in TILE_ROWS if t <= max(rows, TILE_ROWS[0])]
 
 
-def batch_sizes(rows: int, tiles: list[int] = ()) -> list[int]:
+def batch_sizes(rows: int, tiles: list[int] = (), calls: list[int] = ()) -> list[int]:
     """Every size from 1 to 16, then every 8th, then the largest: the sizes runs use; around each
-    tile size T, T-1, T, T+1 and 2T+1 (a call's rows across a tile's edge)."""
-    sizes = set(range(1, min(rows, 16) + 1)) | set(range(24, rows + 1, 8)) | {rows}
+    tile size T, T-1, T, T+1 and 2T+1 (a call's rows across a tile's edge); and `calls`, the row
+    counts of the run's other fixed-order forwards (a replay's tokens, a verify batch's N x W)."""
+    largest = max([rows, *calls])
+    sizes = set(range(1, min(rows, 16) + 1)) | set(range(24, rows + 1, 8)) | {rows} | set(calls)
     for t in tiles:
-        sizes |= {m for m in (t - 1, t, t + 1, 2 * t + 1) if 1 <= m <= rows}
+        sizes |= {m for m in (t - 1, t, t + 1, 2 * t + 1) if 1 <= m <= largest}
     return sorted(sizes)
 
 
@@ -183,11 +185,14 @@ class _Capture:
 
 def _form_differs(forward, form: str, tile: int | None, x: torch.Tensor, sizes: list[int]) -> tuple[int, float]:
     """(rows differing from the row alone, max |diff|) of `form` on captured rows x: on the first m
-    rows for every m in `sizes`, and on all rows reversed (other positions, other neighbours)."""
-    alone = [run_in_form(forward, form, x[r : r + 1], tile) for r in range(x.shape[0])]
+    rows for every m in `sizes` (the rows cycled past the captured ones: a verify batch's N x W),
+    and on all rows reversed (other positions, other neighbours)."""
+    rows = x.shape[0]
+    alone = [run_in_form(forward, form, x[r : r + 1], tile) for r in range(rows)]
     differing, worst = 0, 0.0
     for m in sizes:
-        d, w = _compare(run_in_form(forward, form, x[:m], tile), alone[:m])
+        cycled = x[torch.arange(m, device=x.device) % rows] if m > rows else x[:m]
+        d, w = _compare(run_in_form(forward, form, cycled, tile), [alone[r % rows] for r in range(m)])
         differing, worst = differing + d, max(worst, w)
     d, w = _compare(run_in_form(forward, form, x.flip(0), tile).flip(0), alone)
     return differing + d, max(worst, w)
@@ -227,10 +232,11 @@ def _module_verdicts(model, capture: _Capture, sizes: list[int], tiles: list[int
         if not part[-1].exact:
             part.append(verdict("never-one-row"))
         if not part[-1].exact:
+            largest = max(sizes)
             for tile in tiles:
-                if tile < first.shape[0]:  # chunks of T >= the rows are the call as is
+                if tile < largest:  # chunks of T >= every call's rows are the calls as they are
                     part.append(verdict("chunks", tile))
-                if tile >= first.shape[0] or not part[-1].exact:
+                if tile >= largest or not part[-1].exact:
                     part.append(verdict("tiles", tile))
             part.append(verdict("per-row"))
         verdicts += part
@@ -329,14 +335,19 @@ def _part_matches(part: str, name: str, module) -> bool:
     return next(module.children(), None) is None and _label(name, module) == part
 
 
-def _chunk_vs_steps(model, prompts, prefills, plan: FixedOrderPlan, tokens: int) -> dict:
-    """The same tokens fed as one chunk and step by step, from the same prefill: logits bitwise?"""
+def _chunk_vs_steps(model, prompts, prefills, plan: FixedOrderPlan, tokens: int, verify_rows: int = 0) -> dict:
+    """The same tokens fed as one chunk and step by step, from the same prefill: logits bitwise?
+    With `verify_rows` the chunk is a verify batch of that many rows, the real rows first and empty
+    dummy rows after them (fed padding at positions 0..), as packed replays feed it."""
     feed = torch.stack([p.logits.argmax() for p in prefills]).view(-1, 1).repeat(1, tokens)
     lengths = torch.tensor([len(p) for p in prompts], device=feed.device)
     positions = lengths.view(-1, 1) + torch.arange(tokens, device=feed.device)
+    real, dummies = feed.shape[0], max(0, verify_rows - feed.shape[0])
     with fixed_order_kernels(model, plan):
-        cache = StartAlignedCache.from_prefills([p.layers for p in prefills], tokens, plan.chunk)
-        chunked = fixed_order_forward(model, cache, feed, positions)
+        cache = StartAlignedCache.from_prefills([p.layers for p in prefills], tokens, plan.chunk, spare=dummies)
+        packed_feed = torch.cat([feed, feed.new_zeros((dummies, tokens))])
+        packed_positions = torch.cat([positions, torch.arange(tokens, device=feed.device).repeat(dummies, 1)])
+        chunked = fixed_order_forward(model, cache, packed_feed, packed_positions)[:real]
         cache = StartAlignedCache.from_prefills([p.layers for p in prefills], tokens, plan.chunk)
         stepped = torch.stack([fixed_order_step(model, cache, feed[:, t], positions[:, t]) for t in range(tokens)], 1)
     rows = chunked.shape[0] * tokens
@@ -344,6 +355,7 @@ def _chunk_vs_steps(model, prompts, prefills, plan: FixedOrderPlan, tokens: int)
     return {
         "tokens": tokens,
         "rows": rows,
+        "verify_rows": real + dummies,
         "rows_differing": differing,
         "max_abs_diff": max_abs_diff(chunked, stepped),
         "exact": differing == 0,
@@ -358,13 +370,18 @@ def probe_fixed_order(
     chunk: int = CHUNK,
     chunk_tokens: int = 8,
     tile: int | None = None,
+    calls: list[int] = (),
+    verify_rows: int = 0,
 ) -> FixedOrderProbe:
     """Probe the fixed-order forms on `rows` real prompts (cycled if fewer), `steps` decode steps;
-    chunks and tiles at `tile` rows if given, else at each of TILE_ROWS that fits."""
+    chunks and tiles at `tile` rows if given, else at each of TILE_ROWS that fits. `calls`: row
+    counts of the run's other fixed-order forwards (replays), checked too; `verify_rows`: the
+    chunk of `chunk_tokens` is checked as a verify batch of that many rows (dummies after the real
+    ones), as packed replays run it."""
     started = time.perf_counter()
     chosen = [prompts[i % len(prompts)] for i in range(rows)]
-    tiles = tile_sizes(rows, tile)
-    sizes = batch_sizes(rows, tiles)
+    tiles = tile_sizes(max([rows, *calls]), tile)
+    sizes = batch_sizes(rows, tiles, calls)
     with torch.inference_mode():
         prefills = row_prefills(model, chosen)
         trial = FixedOrderPlan(chunk)  # everything as is while activations are captured
@@ -375,10 +392,12 @@ def probe_fixed_order(
             lengths = torch.tensor([len(p) for p in chosen], device=tokens.device)
             for step in range(steps):
                 tokens = fixed_order_step(model, cache, tokens, lengths + step).argmax(-1)
-        verdicts = _module_verdicts(model, capture, sizes, tiles) + _attention_verdicts(capture, sizes, chunk)
+        verdicts = _module_verdicts(model, capture, sizes, tiles) + _attention_verdicts(
+            capture, [m for m in sizes if m <= rows], chunk
+        )
         plan = plan_from(model, verdicts, chunk, tiles, rows)
         few = min(rows, 4)
-        chunk_check = _chunk_vs_steps(model, chosen[:few], prefills[:few], plan, chunk_tokens)
+        chunk_check = _chunk_vs_steps(model, chosen[:few], prefills[:few], plan, chunk_tokens, verify_rows)
     return FixedOrderProbe(
         rows, sizes, [len(p) for p in chosen], chunk, verdicts, plan, chunk_check, time.perf_counter() - started, tiles
     )

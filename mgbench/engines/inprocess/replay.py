@@ -3,17 +3,26 @@
 
 Rows decode with the stock kernels inside the batch, over a start-aligned cache (each row at its
 own positions, so one row can move back while the others go on). A row's unverified tokens are
-replayed in one forward through the fixed-order kernels over its verified cache, teacher-forced on
-the tokens it emitted: the first position whose fixed-order argmax differs takes that token, the
-later ones are discarded and the row decodes on from there (a rollback). The verified tokens' K/V
-in the batch become the replay's. A replayed chunk equals step-by-step fixed-order decoding (the
-probe checks it), so every verified token is the fixed-order solo token.
+replayed through the fixed-order kernels over its verified cache, teacher-forced on the tokens it
+emitted: the first position whose fixed-order argmax differs takes that token, the later ones are
+discarded and the row decodes on from there (a rollback). The verified tokens' K/V in the batch
+become the replay's. A replayed chunk equals step-by-step fixed-order decoding (the probe checks
+it, at the verify batch's own shape), so every verified token is the fixed-order solo token.
 
-- `window` (microsoft/llm-42): a row is replayed once it has W unverified tokens, and at its end.
-- `margin` (MarginGate): a row is replayed when its batched top-1/top-2 margin falls below TAU,
-  over every token since its last verified one; with `end_check` also at its end (then the output
-  equals the fixed-order reference by construction), without it the gate alone stands behind the
-  tail after the last trigger, as in the paper.
+Replays are scheduled as LLM-42 schedules them (microsoft/llm-42, `llm42_worker.py`): verify
+batches of exactly N rows of W tokens, each row fed its last verified token and then its
+unverified ones, padded to W; ready rows first, then rows not yet ready (verified early, for free),
+then dummy rows (an empty spare row of the cache fed padding), one forward per verify batch. The
+shape never changes: a run that cannot fill a batch pads it. N = 1 replays each ready row alone
+over exactly its unverified tokens (chunks of at most W, no padding): the per-row replay, so one
+run shows what packing buys.
+
+- `window` (LLM-42): a row is ready once it has W unverified tokens, and at its end.
+- `margin` (MarginGate): a row is ready when its batched top-1/top-2 margin falls below TAU; with
+  `end_check` also at its end (then the output equals the fixed-order reference by construction),
+  without it the gate alone stands behind the tail after the last trigger, as in the paper. A
+  ready row verifies at once, or (`wait`) waits for company: until N rows are ready, one of them
+  holds W unverified tokens or one has ended.
 """
 
 from __future__ import annotations
@@ -32,83 +41,176 @@ from mgbench.engines.inprocess.runners import DecodeTimer
 REPLAY_POLICIES = ("window", "margin", "none")  # none: the same stock decoding, never verified
 
 
+VERIFY_ROWS, VERIFY_TOKENS = 8, 64  # LLM-42's server defaults: N rows per verify batch, W tokens per row
+
+
 @dataclass(frozen=True)
 class ReplaySpec:
     kind: str  # "window", "margin" or "none"
-    window: int = 64
+    window: int = VERIFY_TOKENS  # W: the window's trigger, and the tokens of a verify row
+    rows: int = VERIFY_ROWS  # N: rows per verify batch (1: each ready row replayed alone, unpadded)
     tau: float | None = None
     unit: str = "logit"
     end_check: bool = True
+    wait: bool = False  # margin: a triggered row waits for company (N ready, W tokens, or an end)
 
     def __post_init__(self) -> None:
         if self.kind not in REPLAY_POLICIES:
             raise ValueError(f"unknown replay policy {self.kind!r}")
-        if self.kind == "window" and self.window < 1:
-            raise ValueError("window policy needs W >= 1")
+        if self.window < 1 or self.rows < 1:
+            raise ValueError("a verify batch needs W >= 1 tokens and N >= 1 rows")
         if self.kind == "margin" and (self.tau is None or not math.isfinite(self.tau) or self.tau <= 0):
             raise ValueError("margin policy needs a finite threshold TAU > 0")
 
     @property
+    def shape(self) -> str:
+        return f"N={self.rows}" if self.rows > 1 else "per row"
+
+    @property
     def label(self) -> str:
         if self.kind == "window":
-            return f"window W={self.window}"
+            return f"window W={self.window}, {self.shape}"
         if self.kind == "none":
             return "none (start-aligned)"
         unit = "ulp" if self.unit == "ulp" else ""
-        return f"margin<{self.tau:.4g}{unit}/replay{'' if self.end_check else ' (no end check)'}"
+        wait = ", waits" if self.wait else ""
+        tail = "" if self.end_check else " (no end check)"
+        return f"margin<{self.tau:.4g}{unit}/replay {self.shape}{wait}{tail}"
+
+    @property
+    def verify_calls(self) -> list[int]:
+        """Row counts of the fixed-order forwards this policy makes besides decode steps (what the
+        probe must find exact): N x W packed, or 1..W tokens of one row."""
+        if self.kind == "none":
+            return []
+        return [self.rows * self.window] if self.rows > 1 else list(range(1, self.window + 1))
 
 
 @dataclass
 class ReplayResult:
     tokens: list[list[int]]  # per row, up to and including EOS
-    verifications: list[int] = field(default_factory=list)  # replays per row
-    replayed: list[int] = field(default_factory=list)  # tokens replayed per row
+    verifications: list[int] = field(default_factory=list)  # verify forwards each row took part in
+    replayed: list[int] = field(default_factory=list)  # tokens verified per row (its own, not padding)
     rollbacks: list[int] = field(default_factory=list)
     discarded: list[int] = field(default_factory=list)  # emitted tokens thrown away by rollbacks
     triggers: list[int] = field(default_factory=list)  # steps whose gate fired (margin) per row
     steps: list[int] = field(default_factory=list)  # batched decode steps each row took part in
     decode_seconds: float = 0.0
+    forwards: int = 0  # verify forwards (packed batches, or per-row replay chunks)
+    fed: int = 0  # token slots those forwards computed: verified tokens, padding and dummy rows
 
 
 class _Row:
     def __init__(self, prompt_len: int, first: int):
         self.prompt_len, self.tokens, self.verified = prompt_len, [first], 1  # the prefill's token is the reference's
-        self.done = False
+        self.done = self.ended = self.ready = False
         self.verifications = self.replayed = self.rollbacks = self.discarded = self.triggers = self.steps = 0
 
     @property
     def next_position(self) -> int:
         return self.prompt_len + len(self.tokens) - 1
 
+    @property
+    def unverified(self) -> int:
+        return len(self.tokens) - self.verified
 
-REPLAY_CHUNK = 64  # tokens per replay forward: the chunk size the probe checks against steps
+    def check(self, predicted: list[int]) -> int:
+        """Take the reference's predictions for the next unverified tokens: verify up to the first
+        mismatch, where the row takes the reference's token and drops the rest (a rollback).
+        Returns the tokens verified."""
+        v, end = self.verified, len(self.tokens)
+        mismatch = next((j for j, token in enumerate(predicted) if token != self.tokens[v + j]), None)
+        self.replayed += len(predicted) if mismatch is None else mismatch + 1
+        if mismatch is None:
+            self.verified += len(predicted)
+            return len(predicted)
+        self.rollbacks, self.discarded = self.rollbacks + 1, self.discarded + (end - v - mismatch - 1)
+        self.tokens = self.tokens[: v + mismatch] + [predicted[mismatch]]
+        self.verified = len(self.tokens)
+        return mismatch + 1
 
 
-def _replay(model, kernels: Kernels, fixed: StartAlignedCache, stock: StockAlignedCache, r: int, row: _Row) -> None:
-    """Verify row `r`'s unverified tokens by fixed-order forwards of at most REPLAY_CHUNK tokens
-    (memory stays bounded by the chunk, not by the tail); roll back at the first mismatch."""
-    v, end = row.verified, len(row.tokens)
-    if end <= v:
-        return
-    device = stock.keys[0].device
-    row.verifications += 1
-    verified = v
-    while verified < end:
-        stop = min(end, verified + REPLAY_CHUNK)
-        inputs = torch.tensor(row.tokens[verified - 1 : stop - 1], device=device).view(1, -1)
-        positions = (row.prompt_len + verified - 1 + torch.arange(stop - verified, device=device)).view(1, -1)
-        with module_forms(model, kernels.plan):
-            predicted = fixed_order_forward(model, fixed.row(r), inputs, positions)[0].argmax(-1).tolist()
-        row.replayed += stop - verified
-        mismatch = next((j for j, token in enumerate(predicted) if token != row.tokens[verified + j]), None)
-        if mismatch is not None:
-            row.rollbacks, row.discarded = row.rollbacks + 1, row.discarded + (end - verified - mismatch - 1)
-            row.tokens = row.tokens[: verified + mismatch] + [predicted[mismatch]]
-            verified += mismatch + 1
-            break
-        verified = stop
-    stock.copy_row_from(fixed, r, row.prompt_len + v - 1, verified - v)  # the verified inputs' K/V
-    row.verified = verified
+REPLAY_CHUNK = VERIFY_TOKENS  # the longest per-row replay forward by default (W)
+
+
+class _Verifier:
+    """Replays through the fixed-order kernels and the K/V copy of what they verify into the batch."""
+
+    def __init__(self, model, kernels: Kernels, fixed: StartAlignedCache, stock: StockAlignedCache, spec, pad_id):
+        self.model, self.kernels, self.fixed, self.stock, self.spec, self.pad_id = (
+            model,
+            kernels,
+            fixed,
+            stock,
+            spec,
+            pad_id,
+        )
+        self.dummy = stock.batch  # the cache's spare row: every dummy row of a verify batch
+        self.forwards = self.fed = 0
+
+    def _forward(self, cache: StartAlignedCache, inputs: list[list[int]], starts: list[int]) -> list[list[int]]:
+        """Fixed-order argmax of every fed position: rows of equal length fed at starts.."""
+        device = self.stock.keys[0].device
+        tokens = torch.tensor(inputs, device=device)
+        positions = torch.tensor(starts, device=device).view(-1, 1) + torch.arange(tokens.shape[1], device=device)
+        with module_forms(self.model, self.kernels.plan):
+            predicted = fixed_order_forward(self.model, cache, tokens, positions).argmax(-1).tolist()
+        self.forwards, self.fed = self.forwards + 1, self.fed + tokens.numel()
+        return predicted
+
+    def _settle(self, r: int, row: _Row, before: int) -> None:
+        """The verified inputs' K/V from the replay into the batch's cache."""
+        self.stock.copy_row_from(self.fixed, r, row.prompt_len + before - 1, row.verified - before)
+
+    def alone(self, r: int, row: _Row) -> None:
+        """Row r by itself over exactly its unverified tokens, in chunks of at most W."""
+        before = row.verified
+        row.verifications += 1
+        while row.unverified > 0:
+            v, count = row.verified, min(row.unverified, self.spec.window)
+            inputs = [row.tokens[v - 1 : v - 1 + count]]
+            predicted = self._forward(self.fixed.row(r), inputs, [row.prompt_len + v - 1])[0]
+            if row.check(predicted) < count:
+                break
+        self._settle(r, row, before)
+
+    def packed(self, rows: list[_Row], ready: list[int]) -> None:
+        """Verify batches of exactly N rows of W tokens until every ready row is verified: ready rows
+        first, then rows not ready (most unverified tokens first), then dummy rows."""
+        n, w = self.spec.rows, self.spec.window
+        queue = [r for r in ready if rows[r].unverified > 0]
+        while queue:
+            members, queue = queue[:n], queue[n:]
+            spare = sorted(
+                (
+                    r
+                    for r, row in enumerate(rows)
+                    if r not in members and r not in queue and row.unverified > 0 and not row.done
+                ),
+                key=lambda r: -rows[r].unverified,
+            )
+            members += spare[: n - len(members)]
+            inputs, starts, counts = [], [], []
+            for r in members:
+                row = rows[r]
+                count = min(row.unverified, w)
+                fed = row.tokens[row.verified - 1 : row.verified - 1 + count]
+                inputs.append(fed + [self.pad_id] * (w - count))
+                starts.append(row.prompt_len + row.verified - 1)
+                counts.append(count)
+            dummies = n - len(members)
+            inputs += [[self.pad_id] * w] * dummies
+            starts += [0] * dummies
+            cache_rows = members + [self.dummy] * dummies
+            packed = self.fixed.gather(cache_rows)
+            predicted = self._forward(packed, inputs, starts)
+            self.fixed.scatter(cache_rows, packed)
+            for r, count, row_predicted in zip(members, counts, predicted):
+                row, before = rows[r], rows[r].verified
+                row.verifications += 1
+                if row.check(row_predicted[:count]) == count and row.unverified > 0 and r in ready:
+                    queue.append(r)  # more than W tokens: the next batch takes the rest
+                self._settle(r, row, before)
 
 
 def run_replay_verified(
@@ -132,40 +234,44 @@ def run_replay_verified(
         prefills = row_prefills(model, prompts, prefills)
     layers = [p.layers for p in prefills]
     lengths = [len(p) for p in prompts]
-    fixed = StartAlignedCache.from_prefills(layers, max_new_tokens + 1, kernels.plan.chunk, lengths)
+    # Room for a verify row's padding past the last token, and one spare row: the dummy rows.
+    verifies, packed = spec.kind != "none", spec.kind != "none" and spec.rows > 1
+    room = max_new_tokens + 1 + (spec.window if packed else 0)
+    fixed = None  # the unverified base (`none`) never replays
+    if verifies:
+        fixed = StartAlignedCache.from_prefills(layers, room, kernels.plan.chunk, lengths, int(packed))
     stock = StockAlignedCache.from_prefills(layers, max_new_tokens + 1, lengths)
     rows = [_Row(len(p), int(pre.logits.argmax())) for p, pre in zip(prompts, prefills)]
+    verifier = _Verifier(model, kernels, fixed, stock, spec, pad_id)
     eos = set(eos_ids)
+    unchecked_tail = spec.kind == "none" or (spec.kind == "margin" and not spec.end_check)
     timer = DecodeTimer(device)
     with aligned_attention(model, kernels.plan):
         for row in rows:
-            row.done = _finished(row, eos, max_new_tokens) and row.verified == len(row.tokens)
+            row.ended = _finished(row, eos, max_new_tokens)
+            row.done = row.ended and row.verified == len(row.tokens)
         while not all(row.done for row in rows):
-            inputs = torch.tensor([pad_id if r.done else r.tokens[-1] for r in rows], device=device)
+            inputs = torch.tensor([pad_id if r.done or r.ended else r.tokens[-1] for r in rows], device=device)
             positions = torch.tensor([r.next_position for r in rows], device=device)
             logits = fixed_order_forward(model, stock, inputs.view(-1, 1), positions.view(-1, 1))[:, -1]
             # One host copy per step: tokens (exact in float32 below 2**24) and both margins.
             tokens, margin, margin_ulp = torch.stack([logits.argmax(-1).float(), *margins(logits)]).tolist()
-            tokens = [int(t) for t in tokens]
             for r, row in enumerate(rows):
-                if row.done:
+                if row.done or row.ended:
                     continue
-                row.tokens.append(tokens[r])
+                row.tokens.append(int(tokens[r]))
                 row.steps += 1
-                ended = _finished(row, eos, max_new_tokens)
+                row.ended = _finished(row, eos, max_new_tokens)
                 low = (margin_ulp[r] if spec.unit == "ulp" else margin[r]) < (spec.tau or 0.0)
-                if spec.kind == "none":
-                    verify = False
-                elif spec.kind == "window":
-                    verify = ended or len(row.tokens) - row.verified >= spec.window
-                else:
+                if spec.kind == "window":
+                    row.ready = row.ended or row.unverified >= spec.window
+                elif spec.kind == "margin":
                     row.triggers += int(low)
-                    verify = low or (ended and spec.end_check)
-                if verify:
-                    _replay(model, kernels, fixed, stock, r, row)
-                    ended = _finished(row, eos, max_new_tokens)
-                unchecked_tail = spec.kind == "none" or (spec.kind == "margin" and not spec.end_check)
-                row.done = ended and (row.verified == len(row.tokens) or unchecked_tail)
+                    row.ready = row.ready or low or (row.ended and spec.end_check)
+            _verify_ready(verifier, rows, spec)
+            for row in rows:
+                row.ended = _finished(row, eos, max_new_tokens)
+                row.done = row.ended and (row.verified == len(row.tokens) or unchecked_tail)
     seconds = timer.seconds()
     return ReplayResult(
         [r.tokens for r in rows],
@@ -176,7 +282,28 @@ def run_replay_verified(
         [r.triggers for r in rows],
         [r.steps for r in rows],
         seconds,
+        verifier.forwards,
+        verifier.fed,
     )
+
+
+def _verify_ready(verifier: _Verifier, rows: list[_Row], spec: ReplaySpec) -> None:
+    """This step's verification: the ready rows, per row or packed; a waiting margin row verifies
+    once N rows are ready, one of them holds W unverified tokens or one has ended."""
+    ready = [r for r, row in enumerate(rows) if row.ready and not row.done]
+    if not ready:
+        return
+    if spec.wait and spec.rows > 1:
+        due = len(ready) >= spec.rows or any(rows[r].ended or rows[r].unverified >= spec.window for r in ready)
+        if not due:
+            return
+    if spec.rows == 1:
+        for r in ready:
+            verifier.alone(r, rows[r])
+    else:
+        verifier.packed(rows, ready)
+    for r in ready:
+        rows[r].ready = False
 
 
 def _finished(row: _Row, eos: set[int], max_new_tokens: int) -> bool:
