@@ -390,7 +390,11 @@ def test_cli_flips_fixed_order_names_its_reference(tiny_model_dir, tmp_path):
         (["flips", "--kernels", "fixed-order", "--prefill", "batched"], "prefills each request alone"),
         (["flips", "--kernels", "fastest"], "--kernels 'fastest'"),
         (["flips", "--kernels", "fixed-order", "--endpoint", "http://127.0.0.1:9"], "cannot apply to --endpoint"),
-        (["verify", "--kernels", "fixed-order", "--policy", "margin", "--threshold", "0.5"], "--policy none"),
+        (["verify", "--kernels", "fixed-order", "--policy", "always"], "choose from none, window, margin"),
+        (["verify", "--policy", "window"], "add --kernels fixed-order"),
+        (["verify", "--policy", "none", "--verify-rows", "8"], "add it"),
+        (["verify", "--kernels", "fixed-order", "--policy", "window", "--verify-rows", "0"], "--verify-rows 0"),
+        (["verify", "--kernels", "fixed-order", "--policy", "margin"], "needs --threshold"),
     ],
 )
 def test_cli_refuses_fixed_order_combinations_in_one_line(args, message, tmp_path):

@@ -165,3 +165,61 @@ def test_default_model_replay_equals_its_fixed_order_steps(default_lm, math500_p
         assert row.rollbacks == 0 and row.verified == len(solo.tokens)
     result = verified(model, prompts, kernels, solos, ReplaySpec("window", window=8))
     assert result.tokens == [s.tokens.tolist() for s in solos]
+
+
+def verify_args(model_dir, out, *extra) -> list[str]:
+    return [
+        "verify",
+        "--model",
+        str(model_dir),
+        "--dataset",
+        "gsm8k",
+        "--limit",
+        "4",
+        "--batch-sizes",
+        "4",
+        "--max-new-tokens",
+        "10",
+        "--kernels",
+        "fixed-order",
+        "--policy",
+        "window,margin",
+        "--threshold",
+        "0.5",
+        "--window",
+        "6",
+        "--verify-rows",
+        "4",
+        "--require-determinism",
+        "1.0",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def test_verify_gates_ci_on_window_and_margin_against_fixed_order_solo(tiny_model_dir, tmp_path, monkeypatch):
+    """`verify --kernels fixed-order --policy window,margin --require-determinism 1.0`: passes where
+    replays are exact (both policies 100% against fixed-order solo, in verify batches of 4 x 6), and
+    exits 1 where a PLANTED query-count dependence makes a replayed chunk differ from its steps (the
+    probe warns; the verified tokens are then not the reference's)."""
+    from typer.testing import CliRunner
+
+    from mgbench.cli import app
+
+    runner = CliRunner()
+    passed = runner.invoke(app, verify_args(tiny_model_dir, tmp_path / "ok", "--json"))
+    assert passed.exit_code == 0, passed.output
+    summary = __import__("json").loads(passed.stdout)
+    labels = {p["policy"]: p for p in summary["policies"]}
+    assert set(labels) == {"window W=6, N=4", "margin<0.5/replay N=4"}
+    assert all(p["determinism"] == 1.0 for p in labels.values()) and summary["reference"] == "fixed-order solo"
+    shown = runner.invoke(app, ["report", str(tmp_path / "ok"), "--out", str(tmp_path / "report")])
+    assert shown.exit_code == 0 and "window W=6, N=4" in (tmp_path / "report" / "report.md").read_text()
+    real = fixed_order.fixed_order_attention
+    monkeypatch.setattr(
+        fixed_order, "fixed_order_attention", lambda query, *a: real(query, *a) + 0.05 * (query.shape[2] > 1)
+    )
+    failed = runner.invoke(app, verify_args(tiny_model_dir, tmp_path / "planted"))
+    assert failed.exit_code == 1, failed.output
+    assert "replays are not exact against their reference here" in failed.output

@@ -47,7 +47,11 @@ def verify(
         "8", "--batch-sizes", "-b", help="Batch sizes, all of which must hold, e.g. 1,3,8,16."
     ),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate per request."),
-    policy: str = typer.Option("margin", "--policy", help="none, always, margin, oracle; a comma list runs each."),
+    policy: str = typer.Option(
+        "margin",
+        "--policy",
+        help="none, always, margin, oracle; with --kernels fixed-order: none, window, margin. A comma list runs each.",
+    ),
     repair: str = typer.Option(
         "exact",
         "--repair",
@@ -58,6 +62,12 @@ def verify(
         None, "--threshold-from", help="calibration.json from `mgbench calibrate` (TAU and unit)."
     ),
     threshold_unit: str = typer.Option("logit", "--threshold-unit", help="Unit of --threshold: logit or ulp."),
+    window: Optional[int] = typer.Option(
+        None, "--window", help="W (--kernels fixed-order): tokens per verify row, and the window policy's trigger [64]."
+    ),
+    verify_rows: Optional[int] = typer.Option(
+        None, "--verify-rows", help="N (--kernels fixed-order): rows per verify batch; 1 replays each row alone [8]."
+    ),
     needle: bool = typer.Option(False, "--needle", help="Place each request at a random row among filler requests."),
     require_determinism: Optional[float] = typer.Option(
         None,
@@ -89,6 +99,9 @@ def verify(
     Free-running batched decoding with MarginGate (`--policy margin`), always-on (`always`), the
     oracle floor (`oracle`) or none, each with `--repair exact` (a solo-exact reference: 100% by
     construction on verified steps) or `--repair column` (the paper's current-column repair).
+    With `--kernels fixed-order` the reference is solo through the fixed-order kernels: `none`
+    decodes through them; `window` (LLM-42) and `margin` decode with the stock kernels and verify
+    by replay in verify batches of N rows x W tokens (`--verify-rows`, `--window`).
     Exit codes: 0 ok, 1 determinism below --require-determinism, 2 bad input.
 
     Examples:
@@ -115,6 +128,11 @@ def verify(
 
         mgbench verify --kernels fixed-order --policy none \\
             --require-determinism 1.0
+
+        # LLM-42's window and MarginGate, replayed in verify batches of 8 x 64
+
+        mgbench verify --kernels fixed-order --policy window,margin \\
+            --threshold-from calibration.json --require-determinism 1.0
     """
     with user_errors(debug):
         sizes = parse_batch_sizes(batch_sizes)
@@ -141,14 +159,17 @@ def verify(
             raise UserError(f"--threshold-unit {threshold_unit!r}: choose logit or ulp")
         tau, unit = read_calibration_threshold(threshold_from, model) if threshold_from else (threshold, threshold_unit)
         from mgbench.engines.inprocess.policies import policy_specs  # loads torch
+        from mgbench.engines.inprocess.replay import replay_policy_specs
         from mgbench.pipelines.verify import run_verify
 
-        specs = policy_specs(policy, repair, tau, unit)
-        if kernels == "fixed-order" and any(spec.kind != "none" for spec in specs):
-            raise UserError(
-                "--kernels fixed-order verifies with --policy none: the always, margin and oracle policies "
-                "replay stock solo decoding, another reference"
-            )
+        if kernels == "fixed-order":
+            specs = replay_policy_specs(policy, tau, unit, window, verify_rows)
+        elif window is not None or verify_rows is not None:
+            raise UserError("--window and --verify-rows shape the replays of --kernels fixed-order: add it")
+        elif "window" in [p.strip() for p in policy.split(",")]:
+            raise UserError("--policy window verifies against fixed-order solo: add --kernels fixed-order")
+        else:
+            specs = policy_specs(policy, repair, tau, unit)
         if require_determinism is not None and not 0 <= require_determinism <= 1:
             raise UserError(f"--require-determinism {require_determinism}: use a fraction in [0, 1]")
         gate_spec = GateSpec(Thresholds(), baseline, alpha)

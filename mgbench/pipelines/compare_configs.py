@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mgbench.engines.inprocess.policies import PolicySpec
-from mgbench.engines.inprocess.replay import ReplaySpec
+from mgbench.engines.inprocess.replay import ReplaySpec, verify_shape  # noqa: F401 (re-export)
 from mgbench.errors import UserError
 from mgbench.runs.options import reference_of
 
@@ -62,16 +62,6 @@ def replay_pairs(specs: list[ReplaySpec]) -> list[tuple[ReplaySpec, ReplaySpec]]
     against packed, per row against per row)."""
     windows = [s for s in specs if s.kind == "window"]
     return [(w, g) for w in windows for g in specs if g.kind == "margin" and g.rows == w.rows]
-
-
-def verify_shape(specs: list[ReplaySpec]) -> tuple[list[int], int, int]:
-    """What the fixed-order probe must check for these replay policies: (row counts of their
-    forwards, the largest verify batch's rows, its tokens per row)."""
-    calls = sorted({m for s in specs for m in s.verify_calls})
-    packed = [s for s in specs if s.kind != "none" and s.rows > 1]
-    rows = max((s.rows for s in packed), default=0)
-    tokens = max((s.window for s in specs if s.kind != "none"), default=0)
-    return calls, rows, tokens
 
 
 def configurations(tau: float, unit: str, only: tuple[str, ...] | None = None) -> list[Config]:

@@ -16,6 +16,7 @@ from mgbench.assets import datasets
 from mgbench.engines.inprocess.fixed_order_probe import FixedOrderProbe, probe_fixed_order
 from mgbench.engines.inprocess.invariance_probe import ProbeReport, machine_facts, probe_model
 from mgbench.engines.inprocess.kernels import STOCK, Kernels
+from mgbench.engines.inprocess.replay import verify_shape
 from mgbench.pipelines.prepared import prepare
 from mgbench.pipelines.session import finish_output, load_with_status
 from mgbench.render import probe_terminal
@@ -98,14 +99,19 @@ def plan_line(plan) -> str:
     return f"attention {plan.attention}, {modules}; {tile}"
 
 
-def kernels_for_run(lm, run, batch_size: int | None = None) -> tuple[Kernels, FixedOrderProbe | None]:
-    """The kernel set a run decodes with; a fixed-order run is probed first, said in one line
-    (and one more per part that fell back to per row, with its cost)."""
+def kernels_for_run(
+    lm, run, batch_size: int | None = None, replays: list = ()
+) -> tuple[Kernels, FixedOrderProbe | None]:
+    """The kernel set a run decodes with; a fixed-order run is probed first (with every forward its
+    replay policies `replays` make, and their verify batch), said in one line (and one more per
+    part that fell back to per row, with its cost)."""
     if lm is None or run.options.kernels != "fixed-order":
         return STOCK, None
     rows = probe_rows(batch_size if batch_size is not None else max(run.options.batch_sizes))
+    calls, verify_rows, verify_tokens = verify_shape(replays)
+    chunk = max(8, verify_tokens)
     with err_console.status(f"probing the fixed-order forms on {rows} real prompts, batch sizes 1..{rows}"):
-        probe = fixed_order_probe_for_run(lm, run, batch_size)
+        probe = fixed_order_probe_for_run(lm, run, batch_size, chunk, None, calls, verify_rows)
     err_console.print(
         f"[green]fixed-order kernels: {plan_line(probe.plan)}; reference: solo through the same kernels[/] "
         f"(probe: {probe.rows} rows, {probe.seconds:.0f} s)",
@@ -114,9 +120,11 @@ def kernels_for_run(lm, run, batch_size: int | None = None) -> tuple[Kernels, Fi
     for line in probe.fallbacks:
         err_console.print(f"[bold yellow]fixed-order fallback: {line}[/]", highlight=False)
     if not probe.chunk_vs_steps["exact"]:
+        check = probe.chunk_vs_steps
         err_console.print(
-            "[bold yellow]fixed-order: a chunk of tokens in one forward differs from the same tokens step by "
-            f"step ({probe.chunk_vs_steps['rows_differing']}/{probe.chunk_vs_steps['rows']} rows)[/]",
+            f"[bold yellow]fixed-order: {check['tokens']} tokens in one forward ({check.get('verify_rows') or 'a few'} "
+            f"rows) differ from the same tokens step by step ({check['rows_differing']}/{check['rows']} rows): "
+            "replays are not exact against their reference here[/]",
             highlight=False,
         )
     return Kernels("fixed-order", probe.plan), probe

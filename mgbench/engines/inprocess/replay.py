@@ -78,12 +78,59 @@ class ReplaySpec:
         return f"margin<{self.tau:.4g}{unit}/replay {self.shape}{wait}{tail}"
 
     @property
+    def repair(self) -> str:
+        """How a caught flip is repaired, in the words verify's tables use for every policy."""
+        return "none" if self.kind == "none" else "replay"
+
+    @property
     def verify_calls(self) -> list[int]:
         """Row counts of the fixed-order forwards this policy makes besides decode steps (what the
         probe must find exact): N x W packed, or 1..W tokens of one row."""
         if self.kind == "none":
             return []
         return [self.rows * self.window] if self.rows > 1 else list(range(1, self.window + 1))
+
+
+def replay_policy_specs(
+    policies: str, tau: float | None, unit: str, window: int | None = None, rows: int | None = None
+) -> list:
+    """--policy of a fixed-order run as specs: `none` (the fixed-order kernels decode, nothing to
+    verify), `window` and `margin` (stock decoding verified by replay against fixed-order solo, in
+    verify batches of `rows` x `window`)."""
+    from mgbench.engines.inprocess.policies import PolicySpec  # the stock policies' spec, for `none`
+    from mgbench.errors import UserError
+
+    kinds = [p.strip() for p in policies.split(",") if p.strip()]
+    allowed = ("none", "window", "margin")
+    for kind in kinds:
+        if kind not in allowed:
+            raise UserError(
+                f"--policy {kind!r} with --kernels fixed-order: choose from {', '.join(allowed)} (always and "
+                "oracle replay stock solo decoding, another reference)"
+            )
+    if not kinds:
+        raise UserError("--policy needs at least one value")
+    for name, value in (("--window", window), ("--verify-rows", rows)):
+        if value is not None and not 1 <= value <= 4096:
+            raise UserError(f"{name} {value}: use a whole number from 1 to 4096")
+    if "margin" in kinds and (tau is None or not (tau == tau and 0 < tau < 1e6)):
+        raise UserError("--policy margin needs --threshold TAU (a finite margin above 0) or --threshold-from")
+    shape = {"window": window or VERIFY_TOKENS, "rows": VERIFY_ROWS if rows is None else rows}
+    return [
+        PolicySpec("none")
+        if kind == "none"
+        else ReplaySpec(kind, tau=tau if kind == "margin" else None, unit=unit, **shape)
+        for kind in kinds
+    ]
+
+
+def verify_shape(specs: list[ReplaySpec]) -> tuple[list[int], int, int]:
+    """What the fixed-order probe must check for these policies: (row counts of their forwards,
+    the largest verify batch's rows, the most tokens per verify row)."""
+    calls = sorted({m for s in specs for m in s.verify_calls})
+    rows = max((s.rows for s in specs if s.kind != "none" and s.rows > 1), default=0)
+    tokens = max((s.window for s in specs if s.kind != "none"), default=0)
+    return calls, rows, tokens
 
 
 @dataclass
@@ -98,13 +145,26 @@ class ReplayResult:
     decode_seconds: float = 0.0
     forwards: int = 0  # verify forwards (packed batches, or per-row replay chunks)
     fed: int = 0  # token slots those forwards computed: verified tokens, padding and dummy rows
+    # Per row and emitted token (aligned with `tokens`): the batched margins of the step that
+    # emitted it (logit, ulp), whether the row's gate fired there, whether a rollback put it there.
+    margin: list[list[float]] = field(default_factory=list)
+    margin_ulp: list[list[float]] = field(default_factory=list)
+    triggered: list[list[bool]] = field(default_factory=list)
+    repaired: list[list[bool]] = field(default_factory=list)
 
 
 class _Row:
-    def __init__(self, prompt_len: int, first: int):
+    def __init__(self, prompt_len: int, first: int, margin: tuple[float, float] = (math.nan, math.nan)):
         self.prompt_len, self.tokens, self.verified = prompt_len, [first], 1  # the prefill's token is the reference's
         self.done = self.ended = self.ready = False
         self.verifications = self.replayed = self.rollbacks = self.discarded = self.triggers = self.steps = 0
+        # per emitted token: (margin, margin in ulps, gate fired, put there by a rollback)
+        self.marks: list[tuple[float, float, bool, bool]] = [(*margin, False, False)]
+
+    def emit(self, token: int, margin: float, margin_ulp: float) -> None:
+        self.tokens.append(token)
+        self.marks.append((margin, margin_ulp, False, False))
+        self.steps += 1
 
     @property
     def next_position(self) -> int:
@@ -126,6 +186,8 @@ class _Row:
             return len(predicted)
         self.rollbacks, self.discarded = self.rollbacks + 1, self.discarded + (end - v - mismatch - 1)
         self.tokens = self.tokens[: v + mismatch] + [predicted[mismatch]]
+        margin, margin_ulp, fired, _ = self.marks[v + mismatch]  # the batched step that emitted the wrong token
+        self.marks = self.marks[: v + mismatch] + [(margin, margin_ulp, fired, True)]
         self.verified = len(self.tokens)
         return mismatch + 1
 
@@ -241,7 +303,10 @@ def run_replay_verified(
     if verifies:
         fixed = StartAlignedCache.from_prefills(layers, room, kernels.plan.chunk, lengths, int(packed))
     stock = StockAlignedCache.from_prefills(layers, max_new_tokens + 1, lengths)
-    rows = [_Row(len(p), int(pre.logits.argmax())) for p, pre in zip(prompts, prefills)]
+    rows = [
+        _Row(len(p), int(pre.logits.argmax()), tuple(m.item() for m in margins(pre.logits.view(1, -1).float())))
+        for p, pre in zip(prompts, prefills)
+    ]
     verifier = _Verifier(model, kernels, fixed, stock, spec, pad_id)
     eos = set(eos_ids)
     unchecked_tail = spec.kind == "none" or (spec.kind == "margin" and not spec.end_check)
@@ -259,15 +324,18 @@ def run_replay_verified(
             for r, row in enumerate(rows):
                 if row.done or row.ended:
                     continue
-                row.tokens.append(int(tokens[r]))
-                row.steps += 1
+                row.emit(int(tokens[r]), margin[r], margin_ulp[r])
                 row.ended = _finished(row, eos, max_new_tokens)
                 low = (margin_ulp[r] if spec.unit == "ulp" else margin[r]) < (spec.tau or 0.0)
+                fired = False
                 if spec.kind == "window":
-                    row.ready = row.ended or row.unverified >= spec.window
+                    fired = row.unverified >= spec.window
+                    row.ready = row.ended or fired
                 elif spec.kind == "margin":
+                    fired = low
                     row.triggers += int(low)
                     row.ready = row.ready or low or (row.ended and spec.end_check)
+                row.marks[-1] = (*row.marks[-1][:2], fired, False)
             _verify_ready(verifier, rows, spec)
             for row in rows:
                 row.ended = _finished(row, eos, max_new_tokens)
@@ -284,6 +352,7 @@ def run_replay_verified(
         seconds,
         verifier.forwards,
         verifier.fed,
+        *([[mark[k] for mark in r.marks] for r in rows] for k in range(4)),
     )
 
 
