@@ -144,7 +144,7 @@ def test_a_packed_verify_batch_equals_its_rows_replayed_alone_bitwise():
         members = list(range(len(prompts))) + [len(prompts)] * 3
         inputs = torch.tensor([f + [0] * (w - len(f)) for f in feeds] + [[0] * w] * 3)
         starts = torch.tensor([len(p) for p in prompts] + [0] * 3)
-        packed = fixed.gather(members)
+        packed = fixed.gather(members, int(starts.max()) + w)
         logits = fixed_order.fixed_order_forward(model, packed, inputs, starts.view(-1, 1) + torch.arange(w))
         for r, feed in enumerate(feeds):
             alone = StartAlignedCache.from_prefills([layers[r]], STEPS + w, kernels.plan.chunk)

@@ -137,14 +137,16 @@ class StartAlignedCache:
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(zip(self.keys, self.values))
 
-    def gather(self, members: list[int]) -> "StartAlignedCache":
-        """A cache of the rows `members` (repeats allowed), copied: a verify batch of rows that are
-        not neighbours here. `scatter` writes it back."""
-        index = torch.tensor(members, device=self._rows.device)
+    def gather(self, members: list[int], positions: int) -> "StartAlignedCache":
+        """A cache of the rows `members` (repeats allowed) over their first `positions` positions
+        (the chunks a verify batch reads and writes; copied, so the copy grows with the context
+        fed, not with the capacity): a verify batch of rows that are not neighbours here.
+        `scatter` writes it back."""
+        index, n = torch.tensor(members, device=self._rows.device), chunks_for(positions, self.chunk)
         packed = StartAlignedCache.__new__(StartAlignedCache)
         packed.chunk, packed.batch = self.chunk, len(members)
-        packed.keys = [k.index_select(1, index) for k in self.keys]
-        packed.values = [v.index_select(1, index) for v in self.values]
+        packed.keys = [k[:n].index_select(1, index) for k in self.keys]
+        packed.values = [v[:n].index_select(1, index) for v in self.values]
         packed.lengths = self.lengths.index_select(0, index)
         packed.positions, packed.fed_chunks, packed._masks, packed._slots = None, 0, {}, None
         packed._rows = torch.arange(len(members), device=self._rows.device)
@@ -157,7 +159,7 @@ class StartAlignedCache:
         here = torch.tensor(list(first), device=self._rows.device)
         there = torch.tensor(list(first.values()), device=self._rows.device)
         for mine, theirs in zip(self.keys + self.values, packed.keys + packed.values):
-            mine.index_copy_(1, here, theirs.index_select(1, there))
+            mine[: theirs.shape[0]].index_copy_(1, here, theirs.index_select(1, there))
         self.lengths = self.lengths.index_copy(0, here, packed.lengths.index_select(0, there))
 
     def row(self, row: int) -> "StartAlignedCache":

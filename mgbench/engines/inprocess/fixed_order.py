@@ -68,9 +68,10 @@ def fixed_order_attention(
         scores = torch.tanh(scores / softcap) * softcap
     hiding, visible = masks if masks is not None else key_masks(positions, n, chunk, window)
     top = torch.add(scores, hiding).amax(dim=(0, 5), keepdim=True)  # a max is exact in any order
-    # Visible keys get exactly exp(score - top) (<= 0; below -87 it is under 1.7e-38, nothing
-    # beside the top key's 1). Hidden keys are clamped to that range, then zeroed: exp of -inf, or
-    # of anything that underflows, takes a slow path (10x the time of the whole exp here).
+    # Visible keys get exp(score - top), clamped at exp(-87) ~ 1.7e-38 from below (a term that
+    # small vanishes beside the top key's 1 in every sum; the same clamp alone and in any batch).
+    # Hidden keys are clamped to that range, then zeroed: exp of -inf, or of anything that
+    # underflows, takes a slow path (10x the time of the whole exp here).
     p = scores.sub_(top).clamp_(-87.0, 0.0).exp_().mul_(visible)
     # P@V and its denominator (the ones column) per chunk, then chunk by chunk from position 0:
     # keys past a row's end (exact zeros) never reorder its sums.

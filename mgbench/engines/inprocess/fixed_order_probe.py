@@ -286,9 +286,7 @@ def _fallback_line(verdicts: list[FormVerdict], chosen: FormVerdict) -> str | No
     )
 
 
-def _plan_cost(
-    by_part: dict[str, list[FormVerdict]], counts: dict[str, int], tile: int | None, rows: int
-) -> tuple[float, float]:
+def _plan_cost(by_part: dict[str, list[FormVerdict]], counts: dict[str, int], tile: int | None) -> tuple[float, float]:
     """(milliseconds of a `rows`-row decode step, of a one-row step) through every row-wise module
     in its chosen form at `tile`, times the modules of the part in the whole model (`counts`; the
     verdicts cover the sampled layers only). T is chosen for the batched step, what the mode costs
@@ -313,7 +311,7 @@ def plan_from(model, verdicts: list[FormVerdict], chunk: int, tiles: list[int] =
         by_part.setdefault(v.part, []).append(v)
     counts = {part: sum(_part_matches(part, n, m) for n, m in named.items()) for part in by_part}
     needs_tile = any(v.tile is not None for v in verdicts)
-    tile = min(tiles, key=lambda t: _plan_cost(by_part, counts, t, rows)) if needs_tile and tiles else None
+    tile = min(tiles, key=lambda t: _plan_cost(by_part, counts, t)) if needs_tile and tiles else None
     forms, fallbacks, attention, tiled = {}, [], "batched", False
     for part, part_verdicts in by_part.items():
         order = ATTENTION_FORMS if part == "attention" else ROW_FORMS

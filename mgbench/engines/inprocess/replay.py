@@ -227,8 +227,8 @@ class _Verifier:
     def alone(self, r: int, row: _Row) -> None:
         """Row r by itself over exactly its unverified tokens, in chunks of at most W."""
         before = row.verified
-        row.verifications += 1
         while row.unverified > 0:
+            row.verifications += 1
             v, count = row.verified, min(row.unverified, self.spec.window)
             inputs = [row.tokens[v - 1 : v - 1 + count]]
             predicted = self._forward(self.fixed.row(r), inputs, [row.prompt_len + v - 1])[0]
@@ -264,7 +264,7 @@ class _Verifier:
             inputs += [[self.pad_id] * w] * dummies
             starts += [0] * dummies
             cache_rows = members + [self.dummy] * dummies
-            packed = self.fixed.gather(cache_rows)
+            packed = self.fixed.gather(cache_rows, max(starts) + w)
             predicted = self._forward(packed, inputs, starts)
             self.fixed.scatter(cache_rows, packed)
             for r, count, row_predicted in zip(members, counts, predicted):
