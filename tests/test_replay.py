@@ -157,14 +157,24 @@ def test_a_packed_verify_batch_equals_its_rows_replayed_alone_bitwise():
 def test_default_model_replay_equals_its_fixed_order_steps(default_lm, math500_prompts):
     model = default_lm.model
     prompts = [torch.tensor(p) for p in math500_prompts]
+    per_row, packed = ReplaySpec("window", rows=1), ReplaySpec("window", window=8)  # 1..64 rows; 8 x 8
     with torch.inference_mode():
-        kernels = Kernels("fixed-order", probe_fixed_order(model, prompts, rows=4).plan)
+        # Planned for the replays' calls too: on an AMX Xeon a 64-row call takes another oneDNN
+        # kernel than the 4-row batch (a plan probed at 4 rows only is refused for these replays).
+        calls = sorted({*per_row.verify_calls, *packed.verify_calls})
+        probe = probe_fixed_order(model, prompts, rows=4, calls=calls, verify_rows=8, chunk_tokens=8)
+        assert probe.chunk_vs_steps["exact"]
+        kernels = Kernels("fixed-order", probe.plan)
         with kernels.active(model):
             solos = [run_solo(model, p, STEPS, set(), kernels) for p in prompts]
     for row, solo in zip(replay_solo_tokens(model, kernels, prompts, solos), solos):
         assert row.rollbacks == 0 and row.verified == len(solo.tokens)
-    result = verified(model, prompts, kernels, solos, ReplaySpec("window", window=8))
+    result = verified(model, prompts, kernels, solos, packed)
     assert result.tokens == [s.tokens.tolist() for s in solos]
+    with torch.inference_mode():
+        narrow = Kernels("fixed-order", probe_fixed_order(model, prompts, rows=4).plan)
+    with pytest.raises(ValueError, match="probed up to"):
+        verified(model, prompts, narrow, solos, packed)
 
 
 def verify_args(model_dir, out, *extra) -> list[str]:

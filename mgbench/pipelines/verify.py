@@ -22,7 +22,7 @@ from mgbench.engines.inprocess.batch_invariant import InvariancePlan, decoding_m
 from mgbench.engines.inprocess.kernels import STOCK, Kernels
 from mgbench.engines.inprocess.policies import PolicySpec
 from mgbench.engines.inprocess.replay import ReplaySpec, run_replay_verified
-from mgbench.engines.inprocess.runners import FreeRunResult, row_prefills, run_free
+from mgbench.engines.inprocess.runners import row_prefills, run_free
 from mgbench.pipelines.prepared import PreparedRun, fingerprint, prepare, with_gate
 from mgbench.pipelines.probe import fixed_order_summary, kernels_for_run, probe_if_invariant
 from mgbench.pipelines.session import attach_gate, finish_output, gate_lines, load_with_status, shard_status, warn_split
@@ -157,29 +157,14 @@ def _run_batch(model, run, spec, pad_id, eos_ids, batch: Batch, plan: Invariance
     with kernels.active(model):
         prefills = row_prefills(model, batch.prompts, batch.prefills)
     if isinstance(spec, ReplaySpec):  # stock decoding verified by replay against fixed-order solo
-        return _replay_batch(model, run, spec, pad_id, eos_ids, batch.prompts, prefills, kernels), None
+        result = run_replay_verified(model, batch.prompts, pad_id, run.max_new_tokens, eos_ids, spec, kernels, prefills)
+        return result.as_free_run(), None
     policy = spec.build(model, batch.prompts, prefills, batch.solos, run.max_new_tokens)
     with decoding_mode(model, batch.prompts, plan), kernels.active(model):
         free = run_free(
             model, batch.prompts, prefills, run.options.prefill, pad_id, run.max_new_tokens, eos_ids, policy, kernels
         )
     return free, policy
-
-
-def _replay_batch(model, run, spec: ReplaySpec, pad_id, eos_ids, prompts, prefills, kernels) -> FreeRunResult:
-    """A replay-verified batch in verify's per-step record: the final tokens, the batched margins of
-    the steps that emitted them, where the gate fired and where a rollback put the reference's token
-    (a start-aligned cache: no padding)."""
-    result = run_replay_verified(model, prompts, pad_id, run.max_new_tokens, eos_ids, spec, kernels, prefills)
-    return FreeRunResult(
-        [0] * len(prompts),
-        result.tokens,
-        result.triggered,
-        result.repaired,
-        result.margin,
-        result.margin_ulp,
-        result.decode_seconds,
-    )
 
 
 def _batches(group, batch_size, tensors, solos, needle, fillers, run, seed):

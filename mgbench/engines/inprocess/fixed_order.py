@@ -218,6 +218,7 @@ class FixedOrderPlan:
     attention: str = "batched"  # or "per-row" where the probe found the batched form not exact
     fallbacks: tuple[str, ...] = ()  # lines saying which parts fell back to per row, and why
     tile: int | None = None
+    rows_checked: int | None = None  # the most rows in one call the probe found it exact at (None: not probed)
 
     def __post_init__(self) -> None:
         if any(form in TILED_FORMS for form in self.forms.values()) and not self.tile:
@@ -232,6 +233,7 @@ class FixedOrderPlan:
             "attention": f"fixed-order ({how}; fp32, {self.chunk}-key chunks from position 0, start-aligned cache)",
             "modules": {form: len(names) for form, names in labels.items()},
             "tile_rows": self.tile,
+            "rows_checked": self.rows_checked,
             "fallbacks": list(self.fallbacks),
         }
 

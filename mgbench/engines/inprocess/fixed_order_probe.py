@@ -28,11 +28,9 @@ import torch
 
 from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, chunks_for
 from mgbench.engines.inprocess.fixed_order import (
-    _CACHE,
     CHUNK,
     ROW_FORMS,
     FixedOrderPlan,
-    attention_arguments,
     attention_in_form,
     fixed_order_forward,
     fixed_order_kernels,
@@ -41,6 +39,7 @@ from mgbench.engines.inprocess.fixed_order import (
     run_in_form,
     wrapped_attention,
 )
+from mgbench.engines.inprocess.form_checks import POOL_ROWS, _Capture, _compare, _form_differs
 from mgbench.engines.inprocess.invariance_probe import _time_ms  # synchronizes on CUDA
 from mgbench.engines.inprocess.kernels import row_prefills
 from mgbench.engines.inprocess.metrics import max_abs_diff
@@ -99,8 +98,7 @@ class FixedOrderProbe:
 
 
 def tile_sizes(rows: int, tile: int | None = None) -> list[int]:
-    """The tile sizes T to try: the user's, else TILE_ROWS up to the probe's rows (the smallest
-    always: a small batch may still need tiles, on a GPU)."""
+    """The tile sizes T to try: the user's, else TILE_ROWS up to `rows` (the smallest always)."""
     if tile is not None:
         if tile < 1:
             raise ValueError(f"a tile holds at least one row (got {tile})")
@@ -119,92 +117,35 @@ def batch_sizes(rows: int, tiles: list[int] = (), calls: list[int] = ()) -> list
     return sorted(sizes)
 
 
-def sampled_layers(model) -> set[int]:
-    layers = model.config.num_hidden_layers
-    return {0, layers // 2, layers - 1}
-
-
-def _layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    return next((int(p) for p in parts if p.isdigit()), None)
-
-
-def _label(name: str, module) -> str:
-    short = ".".join(p for p in name.split(".") if not p.isdigit() and p not in ("model", "layers"))
-    if isinstance(module, torch.nn.Linear):
-        return f"linear {short} {module.in_features}->{module.out_features}"
-    return f"{type(module).__name__} {short}"
-
-
-def _compare(batched: torch.Tensor, alone: list[torch.Tensor]) -> tuple[int, float]:
-    """(rows of `batched` not bitwise equal to the row computed alone, max |diff| over them)."""
-    differing, worst = 0, 0.0
-    for r, ref in enumerate(alone):
-        if not torch.equal(batched[r : r + 1], ref):
-            differing += 1
-            worst = max(worst, max_abs_diff(batched[r : r + 1], ref))
-    return differing, worst
-
-
-class _Capture:
-    """Inputs of row-wise leaf modules and attention calls during fixed-order steps (sampled layers)."""
-
-    def __init__(self, model, batch: int):
-        self.model, self.batch, self.layers = model, batch, sampled_layers(model)
-        self.modules: dict[str, list[torch.Tensor]] = {}
-        self.attention: list[tuple] = []
-        self.handles = []
-
-    def __enter__(self):
-        for name, module in self.model.named_modules():
-            layer = _layer_of(name)
-            if next(module.children(), None) is None and (layer is None or layer in self.layers):
-                self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
-        return self
-
-    def _hook(self, name):
-        def hook(module, args, kwargs, output):
-            # Only ops that take one tensor whose rows are the batch's can run per row.
-            one_tensor = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
-            if one_tensor and isinstance(output, torch.Tensor) and args[0].shape[0] == self.batch:
-                self.modules.setdefault(name, []).append(args[0])
-
-        return hook
-
-    def record(self, base, module, query, key, value, mask, **kwargs):
-        cache = _CACHE.get()
-        if cache is not None and query.shape[0] == self.batch and module.layer_idx in self.layers:
-            args = attention_arguments(module, kwargs)
-            self.attention.append((query, key.clone(), value.clone(), cache.positions.clone(), args))
-        return base(module, query, key, value, mask, **kwargs)
-
-    def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
-
-
-def _form_differs(forward, form: str, tile: int | None, x: torch.Tensor, sizes: list[int]) -> tuple[int, float]:
-    """(rows differing from the row alone, max |diff|) of `form` on captured rows x: on the first m
-    rows for every m in `sizes` (the rows cycled past the captured ones: a verify batch's N x W),
-    and on all rows reversed (other positions, other neighbours)."""
-    rows = x.shape[0]
-    alone = [run_in_form(forward, form, x[r : r + 1], tile) for r in range(rows)]
-    differing, worst = 0, 0.0
-    for m in sizes:
-        cycled = x[torch.arange(m, device=x.device) % rows] if m > rows else x[:m]
-        d, w = _compare(run_in_form(forward, form, cycled, tile), [alone[r % rows] for r in range(m)])
-        differing, worst = differing + d, max(worst, w)
-    d, w = _compare(run_in_form(forward, form, x.flip(0), tile).flip(0), alone)
-    return differing + d, max(worst, w)
+def part_labels(model) -> dict[str, str]:
+    """Leaf module name -> its part: linears by shape (a GEMM's kernel is chosen by shape and
+    dtype, whatever the weights: k_proj and v_proj of 576->192 share one verdict, so rows where
+    either shows the vendor's row-count dependence count for both), other modules by name."""
+    shorts: dict[tuple, set[str]] = {}
+    keys = {}
+    for name, module in model.named_modules():
+        if next(module.children(), None) is not None:
+            continue
+        short = ".".join(p for p in name.split(".") if not p.isdigit() and p not in ("model", "layers"))
+        if isinstance(module, torch.nn.Linear):
+            key = (module.in_features, module.out_features, module.bias is not None, module.weight.dtype)
+            shorts.setdefault(key, set()).add(short)
+            keys[name] = key
+        else:
+            keys[name] = f"{type(module).__name__} {short}"
+    return {
+        name: key if isinstance(key, str) else f"linear {', '.join(sorted(shorts[key]))} {key[0]}->{key[1]}"
+        for name, key in keys.items()
+    }
 
 
 def _module_verdicts(model, capture: _Capture, sizes: list[int], tiles: list[int]) -> list[FormVerdict]:
     """Per part, forms in order until one is exact (as is, never one row), else chunks and tiles at
     every tried T (tiles only where chunks of that T are not exact), and per row, each timed."""
-    named = dict(model.named_modules())
+    named, labels = dict(model.named_modules()), part_labels(model)
     by_label: dict[str, list[str]] = {}
     for name in capture.modules:
-        by_label.setdefault(_label(name, named[name]), []).append(name)
+        by_label.setdefault(labels[name], []).append(name)
     verdicts = []
     for label, names in by_label.items():
         forwards = {name: type(named[name]).forward.__get__(named[name]) for name in names}
@@ -214,8 +155,10 @@ def _module_verdicts(model, capture: _Capture, sizes: list[int], tiles: list[int
             differing, worst = 0, 0.0
             if form != "per-row":  # per row is the solo call itself: exact by construction
                 for name in names:
-                    for x in capture.modules[name]:
-                        d, w = _form_differs(forwards[name], form, tile, x, sizes)
+                    captured = capture.modules[name] + capture.pool.get(name, [])
+                    many = torch.cat([c.reshape(-1, first.shape[-1]) for c in captured])[:POOL_ROWS]
+                    for i, x in enumerate(capture.modules[name]):  # the larger calls once, on the real rows
+                        d, w = _form_differs(forwards[name], form, tile, x, sizes, many if i == 0 else None)
                         differing, worst = differing + d, max(worst, w)
             ms = _time_ms(lambda: run_in_form(forwards[names[0]], form, first, tile), first.device)
             # Chunks, per row and as is make the same call on one row: one timing for all of them, so
@@ -287,12 +230,10 @@ def _fallback_line(verdicts: list[FormVerdict], chosen: FormVerdict) -> str | No
 
 
 def _plan_cost(by_part: dict[str, list[FormVerdict]], counts: dict[str, int], tile: int | None) -> tuple[float, float]:
-    """(milliseconds of a `rows`-row decode step, of a one-row step) through every row-wise module
-    in its chosen form at `tile`, times the modules of the part in the whole model (`counts`; the
-    verdicts cover the sampled layers only). T is chosen for the batched step, what the mode costs
-    where it runs at this batch size (a deployment at this load, the timed pass of `compare`); the
-    one-row step (a solo reference step; tiles pad it to T rows) breaks ties. The attention does
-    not depend on T."""
+    """(ms of a decode step at the probe's batch size, of a one-row step) through every row-wise
+    module in its form at `tile`, times its part's modules in the model (`counts`). T is chosen for
+    the batched step, what the mode costs at this load (and what `compare` times); the one-row step
+    (a solo reference step; tiles pad it to T rows) breaks ties. The attention does not depend on T."""
     batched = solo = 0.0
     for part, verdicts in by_part.items():
         if part != "attention":
@@ -302,14 +243,16 @@ def _plan_cost(by_part: dict[str, list[FormVerdict]], counts: dict[str, int], ti
     return batched, solo
 
 
-def plan_from(model, verdicts: list[FormVerdict], chunk: int, tiles: list[int] = (), rows: int = 1) -> FixedOrderPlan:
+def plan_from(
+    model, verdicts: list[FormVerdict], chunk: int, tiles: list[int] = (), rows_checked: int | None = None
+) -> FixedOrderPlan:
     """The plan: each part's first exact form, applied to every module of that part, at the tried
-    tile size whose plan costs least for a `rows`-row step (None where no part needs one)."""
-    named = dict(model.named_modules())
+    tile size whose plan costs least for the probed batch's step (None where no part needs one)."""
     by_part: dict[str, list[FormVerdict]] = {}
     for v in verdicts:
         by_part.setdefault(v.part, []).append(v)
-    counts = {part: sum(_part_matches(part, n, m) for n, m in named.items()) for part in by_part}
+    labels = part_labels(model)
+    counts = {part: sum(label == part for label in labels.values()) for part in by_part}
     needs_tile = any(v.tile is not None for v in verdicts)
     tile = min(tiles, key=lambda t: _plan_cost(by_part, counts, t)) if needs_tile and tiles else None
     forms, fallbacks, attention, tiled = {}, [], "batched", False
@@ -325,12 +268,8 @@ def plan_from(model, verdicts: list[FormVerdict], chunk: int, tiles: list[int] =
             attention = chosen.form
         elif chosen.form != "as-is":
             tiled |= chosen.tile is not None
-            forms.update({name: chosen.form for name, m in named.items() if _part_matches(part, name, m)})
-    return FixedOrderPlan(chunk, forms, attention, tuple(fallbacks), tile if tiled else None)
-
-
-def _part_matches(part: str, name: str, module) -> bool:
-    return next(module.children(), None) is None and _label(name, module) == part
+            forms.update({name: chosen.form for name, label in labels.items() if label == part})
+    return FixedOrderPlan(chunk, forms, attention, tuple(fallbacks), tile if tiled else None, rows_checked)
 
 
 def _chunk_vs_steps(model, prompts, prefills, plan: FixedOrderPlan, tokens: int, verify_rows: int = 0) -> dict:
@@ -390,10 +329,15 @@ def probe_fixed_order(
             lengths = torch.tensor([len(p) for p in chosen], device=tokens.device)
             for step in range(steps):
                 tokens = fixed_order_step(model, cache, tokens, lengths + step).argmax(-1)
+            if max(calls, default=0) > rows:  # distinct real rows for the replays' larger calls
+                capture.pooling, count = True, -(-POOL_ROWS // rows)
+                cache = StartAlignedCache.from_prefills([p.layers for p in prefills], count, chunk)
+                feed = tokens.view(-1, 1).repeat(1, count)
+                fixed_order_forward(model, cache, feed, lengths.view(-1, 1) + torch.arange(count, device=feed.device))
         verdicts = _module_verdicts(model, capture, sizes, tiles) + _attention_verdicts(
             capture, [m for m in sizes if m <= rows], chunk
         )
-        plan = plan_from(model, verdicts, chunk, tiles, rows)
+        plan = plan_from(model, verdicts, chunk, tiles, max(sizes))
         few = min(rows, 4)
         chunk_check = _chunk_vs_steps(model, chosen[:few], prefills[:few], plan, chunk_tokens, verify_rows)
     return FixedOrderProbe(

@@ -36,7 +36,7 @@ from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, StockAlig
 from mgbench.engines.inprocess.fixed_order import aligned_attention, fixed_order_forward, module_forms
 from mgbench.engines.inprocess.kernels import Kernels, row_prefills
 from mgbench.engines.inprocess.metrics import margins
-from mgbench.engines.inprocess.runners import DecodeTimer
+from mgbench.engines.inprocess.runners import DecodeTimer, FreeRunResult
 
 REPLAY_POLICIES = ("window", "margin", "none")  # none: the same stock decoding, never verified
 
@@ -151,6 +151,14 @@ class ReplayResult:
     margin_ulp: list[list[float]] = field(default_factory=list)
     triggered: list[list[bool]] = field(default_factory=list)
     repaired: list[list[bool]] = field(default_factory=list)
+
+    def as_free_run(self) -> FreeRunResult:
+        """The run in free-running decoding's per-step record (verify's tables): the final tokens,
+        the batched margins of the steps that emitted them, where the gate fired and where a
+        rollback put the reference's token; a start-aligned cache has no padding."""
+        rows = len(self.tokens)
+        fields = (self.tokens, self.triggered, self.repaired, self.margin, self.margin_ulp)
+        return FreeRunResult([0] * rows, *fields, self.decode_seconds)
 
 
 class _Row:
@@ -291,6 +299,12 @@ def run_replay_verified(
     inside `kernels.active`, as the fixed-order solo runs compute theirs."""
     if not kernels.fixed_order:
         raise ValueError("replay verification needs fixed-order kernels (its reference)")
+    checked, largest = kernels.plan.rows_checked, max(spec.verify_calls, default=0)
+    if checked is not None and largest > checked:  # a vendor GEMM may change kernel past what was probed
+        raise ValueError(
+            f"{spec.label} makes {largest}-row fixed-order calls; the plan was probed up to {checked} rows "
+            "(probe with calls=spec.verify_calls)"
+        )
     device = prompts[0].device
     with kernels.active(model):
         prefills = row_prefills(model, prompts, prefills)
