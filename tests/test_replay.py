@@ -9,7 +9,7 @@ must give each row the logits it gets replayed alone, bitwise."""
 
 import pytest
 import torch
-from helpers import plant_near_ties, random_prompts, tiny_llama
+from helpers import cli_args, plant_near_ties, random_prompts, tiny_llama
 
 from mgbench.engines.inprocess import fixed_order
 from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, StockAlignedCache
@@ -178,34 +178,9 @@ def test_default_model_replay_equals_its_fixed_order_steps(default_lm, math500_p
 
 
 def verify_args(model_dir, out, *extra) -> list[str]:
-    return [
-        "verify",
-        "--model",
-        str(model_dir),
-        "--dataset",
-        "gsm8k",
-        "--limit",
-        "4",
-        "--batch-sizes",
-        "4",
-        "--max-new-tokens",
-        "10",
-        "--kernels",
-        "fixed-order",
-        "--policy",
-        "window,margin",
-        "--threshold",
-        "0.5",
-        "--window",
-        "6",
-        "--verify-rows",
-        "4",
-        "--require-determinism",
-        "1.0",
-        "--out",
-        str(out),
-        *extra,
-    ]
+    replays = ("--kernels", "fixed-order", "--policy", "window,margin", "--threshold", "0.5")
+    shape = ("--window", "6", "--verify-rows", "4", "--require-determinism", "1.0")
+    return cli_args("verify", model_dir, out, *replays, *shape, *extra, limit=4, batch=4, tokens=10)
 
 
 def test_verify_gates_ci_on_window_and_margin_against_fixed_order_solo(tiny_model_dir, tmp_path, monkeypatch):
