@@ -28,9 +28,9 @@ from rich.console import Console
 from rich.table import Table
 
 from mgbench.assets.models import load_model
-from mgbench.engines.inprocess.attention_forms import per_row, sdpa_call
-from mgbench.engines.inprocess.batch_invariant import base_attention
-from mgbench.engines.inprocess.runners import synchronize
+from mgbench.engines.inprocess.kernels.attention_forms import per_row, sdpa_call
+from mgbench.engines.inprocess.kernels.batch_invariant import base_attention
+from mgbench.engines.inprocess.stopwatch import synchronize
 from mgbench.runs.machine import cpu_name
 
 

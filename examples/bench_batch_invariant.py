@@ -39,13 +39,14 @@ from rich.table import Table
 from mgbench.assets import datasets
 from mgbench.assets.models import load_model
 from mgbench.engines.inprocess.audit import eos_token_ids, pad_token_id
-from mgbench.engines.inprocess.batch_invariant import decoding_mode
-from mgbench.engines.inprocess.fixed_order import TILED_FORMS, FixedOrderPlan
-from mgbench.engines.inprocess.fixed_order_probe import probe_fixed_order
-from mgbench.engines.inprocess.invariance_probe import probe_model
-from mgbench.engines.inprocess.kernels import STOCK, Kernels
-from mgbench.engines.inprocess.replay import ReplaySpec, run_replay_verified
-from mgbench.engines.inprocess.runners import row_prefills, run_free, run_solo, run_teacher_forced
+from mgbench.engines.inprocess.kernels.batch_invariant import decoding_mode
+from mgbench.engines.inprocess.kernels.fixed_order import TILED_FORMS, FixedOrderPlan
+from mgbench.engines.inprocess.kernels.fixed_order_probe import probe_fixed_order
+from mgbench.engines.inprocess.kernels.invariance_probe import probe_model
+from mgbench.engines.inprocess.kernels.sets import STOCK, Kernels
+from mgbench.engines.inprocess.runners import row_prefills, run_solo, run_teacher_forced
+from mgbench.engines.inprocess.verification.loop import run_free
+from mgbench.engines.inprocess.verification.spec import PolicySpec
 from mgbench.pipelines.probe import plan_line
 from mgbench.runs.machine import cpu_name
 
@@ -210,16 +211,11 @@ def main() -> None:
             if "start-aligned" in modes:
 
                 def aligned_decode(m):
-                    return run_replay_verified(
-                        model,
-                        take(prompts, m),
-                        pad,
-                        n,
-                        eos,
-                        ReplaySpec("none"),
-                        kernels_of["fixed-order"],
-                        take(fixed_prefills["fixed-order"], m),
+                    known = take(fixed_prefills["fixed-order"], m)
+                    base = PolicySpec("none", "replay").build(
+                        model, take(prompts, m), known, kernels=kernels_of["fixed-order"]
                     )
+                    return run_free(model, take(prompts, m), known, "alone", pad, n, eos, base)
 
                 decoders["start-aligned"], kernels_of["start-aligned"] = aligned_decode, None
             if "batch-invariant" in modes:

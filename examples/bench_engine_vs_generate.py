@@ -20,7 +20,8 @@ from mgbench.assets import datasets
 from mgbench.assets.models import load_model
 from mgbench.engines.inprocess.audit import eos_token_ids, pad_token_id
 from mgbench.engines.inprocess.decode import left_padded_batch
-from mgbench.engines.inprocess.runners import run_free, synchronize
+from mgbench.engines.inprocess.stopwatch import synchronize
+from mgbench.engines.inprocess.verification.loop import run_free
 
 
 def timed(fn, device: str):

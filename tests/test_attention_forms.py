@@ -8,10 +8,10 @@ import pytest
 import torch
 from helpers import random_prompts, tiny_llama
 
-import mgbench.engines.inprocess.attention_forms as forms
-from mgbench.engines.inprocess.attention_forms import PER_ROW, AttentionForm, aligned_groups, attend, per_row
-from mgbench.engines.inprocess.batch_invariant import base_attention
-from mgbench.engines.inprocess.invariance_probe import probe_model
+import mgbench.engines.inprocess.kernels.attention_forms as forms
+from mgbench.engines.inprocess.kernels.attention_forms import PER_ROW, AttentionForm, aligned_groups, attend, per_row
+from mgbench.engines.inprocess.kernels.batch_invariant import base_attention
+from mgbench.engines.inprocess.kernels.invariance_probe import probe_model
 
 PROMPT = random_prompts([40], vocab=8192, seed=7)[0]
 

@@ -10,9 +10,10 @@ from helpers import RowCountPerturbedLinear, plain_flip_audit, plant_near_ties, 
 from typer.testing import CliRunner
 
 from mgbench.cli import app
-from mgbench.engines.inprocess.batch_invariant import batch_invariant, chunk_sizes, decoding_mode, run_in_chunks
-from mgbench.engines.inprocess.invariance_probe import probe_model
-from mgbench.engines.inprocess.runners import run_free, run_solo, run_teacher_forced
+from mgbench.engines.inprocess.kernels.batch_invariant import batch_invariant, chunk_sizes, decoding_mode, run_in_chunks
+from mgbench.engines.inprocess.kernels.invariance_probe import probe_model
+from mgbench.engines.inprocess.runners import run_solo, run_teacher_forced
+from mgbench.engines.inprocess.verification.loop import run_free
 
 PAD_ID = 0
 runner = CliRunner()
@@ -95,7 +96,7 @@ def test_the_mode_leaves_nothing_behind(perturbed):
 def test_every_planned_form_equals_the_module_row_by_row(perturbed):
     """Whatever form the probe picked (chunks or one GEMV per row), it equals the module on each
     row alone on fresh inputs too."""
-    from mgbench.engines.inprocess.batch_invariant import apply_form
+    from mgbench.engines.inprocess.kernels.batch_invariant import apply_form
 
     model, probe, _ = perturbed
     named = dict(model.named_modules())

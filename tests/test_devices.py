@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from mgbench.assets import models
 from mgbench.cli import app
-from mgbench.engines.inprocess import invariance_probe
-from mgbench.engines.inprocess.attention_forms import PER_ROW, AttentionForm
-from mgbench.engines.inprocess.batch_invariant import InvariancePlan
+from mgbench.engines.inprocess.kernels import invariance_probe
+from mgbench.engines.inprocess.kernels.attention_forms import PER_ROW, AttentionForm
+from mgbench.engines.inprocess.kernels.batch_invariant import InvariancePlan
 from mgbench.engines.inprocess.stopwatch import Stopwatch
 from mgbench.pipelines import probe
 from mgbench.render.console import err_console
@@ -140,7 +140,7 @@ def test_the_batch_invariant_line_names_the_device_and_attention_form_that_ran(m
 def test_decode_timers_record_on_the_runs_device_stream(monkeypatch):
     """DecodeTimer and the lockstep's SectionTimer record their CUDA events on the stream of the
     run's device (a fake "cuda:1"), not on whatever GPU is current."""
-    from mgbench.engines.inprocess.runners import DecodeTimer, SectionTimer
+    from mgbench.engines.inprocess.stopwatch import DecodeTimer, SectionTimer
 
     streams, recorded = [], []
 

@@ -14,7 +14,8 @@ from helpers import (
 
 from mgbench.engines.inprocess import cache as cache_ops
 from mgbench.engines.inprocess.decode import prefill_alone
-from mgbench.engines.inprocess.runners import run_free, run_solo, run_teacher_forced
+from mgbench.engines.inprocess.runners import run_solo, run_teacher_forced
+from mgbench.engines.inprocess.verification.loop import run_free
 
 PAD_ID = 0
 
@@ -144,7 +145,7 @@ def test_planted_padded_batch_flips_and_diverges():
 def test_probe_accounts_for_every_row_that_differs():
     """Negative control inside the probe: a row where every op equals the op on the row alone
     must give the solo logits; the rows that differ are a subset of the rows with a varying op."""
-    from mgbench.engines.inprocess.invariance_probe import probe_model
+    from mgbench.engines.inprocess.kernels.invariance_probe import probe_model
 
     model = tiny_llama()
     with torch.inference_mode():

@@ -23,12 +23,13 @@ from helpers import (
 from typer.testing import CliRunner
 
 from mgbench.cli import app
-from mgbench.engines.inprocess import fixed_order
-from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, with_ones
-from mgbench.engines.inprocess.fixed_order import FixedOrderPlan, fixed_order_attention
-from mgbench.engines.inprocess.fixed_order_probe import probe_fixed_order
-from mgbench.engines.inprocess.kernels import Kernels
-from mgbench.engines.inprocess.runners import run_free, run_solo, run_teacher_forced
+from mgbench.engines.inprocess.kernels import fixed_order
+from mgbench.engines.inprocess.kernels.aligned_cache import StartAlignedCache, with_ones
+from mgbench.engines.inprocess.kernels.fixed_order import FixedOrderPlan, fixed_order_attention
+from mgbench.engines.inprocess.kernels.fixed_order_probe import probe_fixed_order
+from mgbench.engines.inprocess.kernels.sets import Kernels
+from mgbench.engines.inprocess.runners import run_solo, run_teacher_forced
+from mgbench.engines.inprocess.verification.loop import run_free
 
 PAD_ID = 0
 LENGTHS = [5, 37, 70, 130, 12, 64, 65, 90]  # unequal, across 1-3 chunks of 64 keys
@@ -273,7 +274,7 @@ def test_a_row_whose_bits_depend_on_its_place_or_its_neighbours_refuses_tiles(pl
 
 
 def test_tile_forms_equal_the_module_on_every_row_and_pad_with_zeros():
-    from mgbench.engines.inprocess.fixed_order import in_chunks, in_tiles, run_in_form
+    from mgbench.engines.inprocess.kernels.fixed_order import in_chunks, in_tiles, run_in_form
 
     calls = []
 

@@ -107,6 +107,47 @@ def test_every_import_points_down_the_layers():
     assert wrong_edges(import_graph()) == []
 
 
+# Inside the in-process engine, from the top down: the engine, its audit, verification (how a policy
+# decides and repairs), the runners (solo and teacher-forced loops), the kernel sets (how a kernel
+# is made invariant), then the flat base modules (cache, decode, metrics, timing).
+INPROCESS = ["engine", "audit", "verification", "runners", "kernels"]
+
+
+def inprocess_level(module: str) -> int | None:
+    prefix = "mgbench.engines.inprocess."
+    if not module.startswith(prefix):
+        return None
+    part = module[len(prefix) :].split(".")[0]
+    return INPROCESS.index(part) if part in INPROCESS else len(INPROCESS)
+
+
+def wrong_inprocess_edges(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for module, targets in graph.items():
+        mine = inprocess_level(module)
+        for target in targets:
+            theirs = inprocess_level(target)
+            if mine is not None and theirs is not None and theirs < mine:
+                wrong.append(f"{module} -> {target}")
+    return wrong
+
+
+def test_the_inprocess_engine_imports_point_down_its_folders():
+    assert wrong_inprocess_edges(import_graph()) == []
+    planted = {  # negative control: a kernel module reaching up into verification and the runners
+        "mgbench.engines.inprocess.kernels.fixed_order": {
+            "mgbench.engines.inprocess.verification.spec",
+            "mgbench.engines.inprocess.runners",
+            "mgbench.engines.inprocess.cache",
+        },
+        "mgbench.engines.inprocess.verification.loop": {"mgbench.engines.inprocess.kernels.sets"},
+    }
+    assert sorted(wrong_inprocess_edges(planted)) == [
+        "mgbench.engines.inprocess.kernels.fixed_order -> mgbench.engines.inprocess.runners",
+        "mgbench.engines.inprocess.kernels.fixed_order -> mgbench.engines.inprocess.verification.spec",
+    ]
+
+
 def test_no_import_circle():
     assert import_circle(import_graph()) is None
 

@@ -11,18 +11,21 @@ import pytest
 import torch
 from helpers import cli_args, plant_near_ties, random_prompts, tiny_llama
 
-from mgbench.engines.inprocess import fixed_order
-from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, StockAlignedCache
-from mgbench.engines.inprocess.fixed_order_probe import probe_fixed_order
-from mgbench.engines.inprocess.kernels import Kernels
-from mgbench.engines.inprocess.replay import ReplaySpec, _Row, _Verifier, run_replay_verified
+from mgbench.engines.inprocess.kernels import fixed_order
+from mgbench.engines.inprocess.kernels.aligned_cache import StartAlignedCache, StockAlignedCache
+from mgbench.engines.inprocess.kernels.fixed_order_probe import probe_fixed_order
+from mgbench.engines.inprocess.kernels.sets import Kernels
 from mgbench.engines.inprocess.runners import run_solo
+from mgbench.engines.inprocess.verification.loop import run_free
+from mgbench.engines.inprocess.verification.replay import ReplayRepair
+from mgbench.engines.inprocess.verification.rows import Row
+from mgbench.engines.inprocess.verification.spec import PolicySpec
 
 STEPS = 16
 SPECS = (
-    [ReplaySpec("window", window=w, rows=n) for w in (4, 64) for n in (1, 8, 16)]
-    + [ReplaySpec("margin", tau=0.5, rows=n) for n in (1, 8)]
-    + [ReplaySpec("margin", tau=0.5, rows=8, wait=True)]
+    [PolicySpec("window", "replay", window=w, rows=n) for w in (4, 64) for n in (1, 8, 16)]
+    + [PolicySpec("margin", "replay", tau=0.5, rows=n) for n in (1, 8)]
+    + [PolicySpec("margin", "replay", tau=0.5, rows=8, wait=True)]
 )
 VERIFY_CALLS = sorted({m for spec in SPECS for m in spec.verify_calls})
 
@@ -68,8 +71,11 @@ def setup(planted: bool, lengths=(5, 37, 70, 130, 12)):
 
 
 def verified(model, prompts, kernels, solos, spec):
+    """The batch decoded by the free-running loop under `spec`, verified against fixed-order solo."""
+    prefills = [s.row_prefill for s in solos]
     with torch.inference_mode():
-        return run_replay_verified(model, prompts, 0, STEPS, set(), spec, kernels, [s.row_prefill for s in solos])
+        policy = spec.build(model, prompts, prefills, solos, STEPS, kernels=kernels)
+        return run_free(model, prompts, prefills, "alone", 0, STEPS, set(), policy)
 
 
 @pytest.fixture(scope="module")
@@ -82,40 +88,40 @@ def test_a_planted_stock_flip_is_caught_and_rolled_back(planted, spec):
     model, prompts, kernels, solos = planted
     result = verified(model, prompts, kernels, solos, spec)
     assert result.tokens == [s.tokens.tolist() for s in solos]
-    assert all(r >= 1 for r in result.rollbacks), "every row's first stock token was planted wrong"
+    assert all(r >= 1 for r in result.records["rollbacks"]), "every row's first stock token was planted wrong"
     assert all(len(t) == STEPS for t in result.tokens)
     if spec.rows > 1:  # every verify forward computed exactly N rows of W tokens
         assert result.forwards >= 1 and result.fed == result.forwards * spec.rows * spec.window
     if spec.kind == "margin":  # the forced margin is one ulp: the gate fires at every batched step
-        assert result.triggers == result.steps
+        assert result.records["triggers"] == result.records["steps"]
 
 
 def test_unverified_decoding_diverges_where_the_plant_acts(planted):
     model, prompts, kernels, solos = planted
-    result = verified(model, prompts, kernels, solos, ReplaySpec("none"))
+    result = verified(model, prompts, kernels, solos, PolicySpec("none", "replay"))
     for tokens, solo in zip(result.tokens, solos):
         assert tokens[0] == solo.tokens[0] and tokens[1] != solo.tokens[1]  # the prefill's token is shared
-    assert sum(result.verifications) == 0
+    assert sum(result.records["verifications"]) == 0
 
 
 def test_margin_without_the_end_check_leaves_the_tail_to_the_gate(planted):
     """TAU below the planted one-ulp margin: the gate never fires and nothing is verified."""
     model, prompts, kernels, solos = planted
-    result = verified(model, prompts, kernels, solos, ReplaySpec("margin", tau=1e-30, end_check=False))
-    assert sum(result.verifications) == 0 and result.tokens != [s.tokens.tolist() for s in solos]
-    checked = verified(model, prompts, kernels, solos, ReplaySpec("margin", tau=1e-30))
-    assert checked.tokens == [s.tokens.tolist() for s in solos] and all(v >= 1 for v in checked.verifications)
+    result = verified(model, prompts, kernels, solos, PolicySpec("margin", "replay", tau=1e-30, end_check=False))
+    assert sum(result.records["verifications"]) == 0 and result.tokens != [s.tokens.tolist() for s in solos]
+    checked = verified(model, prompts, kernels, solos, PolicySpec("margin", "replay", tau=1e-30))
+    verifications = checked.records["verifications"]
+    assert checked.tokens == [s.tokens.tolist() for s in solos] and all(v >= 1 for v in verifications)
 
 
-def replay_solo_tokens(model, kernels, prompts, solos, spec=ReplaySpec("window", rows=1)) -> list[_Row]:
+def replay_solo_tokens(model, kernels, prompts, solos, spec=PolicySpec("window", "replay", rows=1)) -> list[Row]:
     """Each fixed-order solo output replayed over its prefill, alone (N = 1) or packed (all rows
     ready at once): the rows after the replay."""
-    rows = [_Row(len(prompt), int(solo.tokens[0])) for prompt, solo in zip(prompts, solos)]
-    with torch.inference_mode(), fixed_order.aligned_attention(model, kernels.plan):
-        layers = [s.row_prefill.layers for s in solos]
-        fixed = StartAlignedCache.from_prefills(layers, STEPS + spec.window + 1, kernels.plan.chunk, spare=1)
-        stock = StockAlignedCache.from_prefills(layers, STEPS + 1)
-        verifier = _Verifier(model, kernels, fixed, stock, spec, 0)
+    rows = [Row(len(prompt), int(solo.tokens[0]), (0.0, 0.0), 1) for prompt, solo in zip(prompts, solos)]
+    with torch.inference_mode():
+        verifier = ReplayRepair(kernels, spec.rows, spec.window, True, False)
+        decoder = verifier.open(model, prompts, [s.row_prefill for s in solos], "alone", 0, STEPS, kernels)
+    with torch.inference_mode(), decoder.decoding():
         for row, solo in zip(rows, solos):
             row.tokens = solo.tokens.tolist()
         if spec.rows == 1:
@@ -126,7 +132,9 @@ def replay_solo_tokens(model, kernels, prompts, solos, spec=ReplaySpec("window",
     return rows
 
 
-@pytest.mark.parametrize("spec", [ReplaySpec("window", rows=1), ReplaySpec("window", window=8, rows=8)])
+@pytest.mark.parametrize(
+    "spec", [PolicySpec("window", "replay", rows=1), PolicySpec("window", "replay", window=8, rows=8)]
+)
 def test_fixed_order_tokens_replay_without_a_rollback(spec):
     model, prompts, kernels, solos = setup(planted=False)
     for row, solo in zip(replay_solo_tokens(model, kernels, prompts, solos, spec), solos):
@@ -157,7 +165,7 @@ def test_a_packed_verify_batch_equals_its_rows_replayed_alone_bitwise():
 def test_default_model_replay_equals_its_fixed_order_steps(default_lm, math500_prompts):
     model = default_lm.model
     prompts = [torch.tensor(p) for p in math500_prompts]
-    per_row, packed = ReplaySpec("window", rows=1), ReplaySpec("window", window=8)  # 1..64 rows; 8 x 8
+    per_row, packed = PolicySpec("window", "replay", rows=1), PolicySpec("window", "replay", window=8)  # 1..64; 8 x 8
     with torch.inference_mode():
         # Planned for the replays' calls too: on an AMX Xeon a 64-row call takes another oneDNN
         # kernel than the 4-row batch (a plan probed at 4 rows only is refused for these replays).

@@ -12,10 +12,11 @@ from typer.testing import CliRunner
 
 from mgbench.engines.inprocess import cache as cache_ops
 from mgbench.engines.inprocess.decode import decode_step
-from mgbench.engines.inprocess.policies import PolicySpec
-from mgbench.engines.inprocess.runners import STOCK, prefill_for_batch, run_free, run_solo, run_teacher_forced
-from mgbench.engines.inprocess.step import StepContext
-from mgbench.engines.inprocess.verifiers import ColumnVerifier, ExactVerifier
+from mgbench.engines.inprocess.runners import STOCK, prefill_for_batch, run_solo, run_teacher_forced
+from mgbench.engines.inprocess.verification.loop import run_free
+from mgbench.engines.inprocess.verification.spec import PolicySpec
+from mgbench.engines.inprocess.verification.step import StepContext
+from mgbench.engines.inprocess.verification.stock_verifiers import ColumnVerifier, ExactVerifier
 
 PAD_ID = 0
 STEPS = 32
@@ -90,7 +91,8 @@ def test_column_repair_writes_the_reference_column_bitwise(flipping_batch):
         fed = logits.argmax(-1)
         positions = torch.tensor([len(p) for p in prompts])
         logits, mask = decode_step(model, cache, fed, positions, mask)
-        ctx = StepContext(1, logits, cache, pads, torch.ones(len(prompts), dtype=torch.bool), fed, positions, [fed])
+        emitted = [[int(t)] for t in fed]  # each row's step-0 token; step 1's is read from the logits
+        ctx = StepContext(1, logits, cache, pads, fed, positions, list(range(len(prompts))), emitted)
         verifier = ColumnVerifier(model, prompts, prefills)
         # The batch-1 reference, computed independently over the row's unpadded history.
         repaired_rows = 0
@@ -105,7 +107,7 @@ def test_column_repair_writes_the_reference_column_bitwise(flipping_batch):
                 torch.ones((1, history[0][0].shape[-2] - 1), dtype=torch.long),
             )
             before = cache_ops.read_column(cache, row, cache_ops.cache_layers(cache)[0][0].shape[-2] - 1)
-            token, fixed = verifier.verify(ctx, row)
+            token, fixed, _ = verifier.verify(ctx, row)
             assert token == int(ref_logits[0].argmax())
             after = cache_ops.read_column(cache, row, cache_ops.cache_layers(cache)[0][0].shape[-2] - 1)
             expected = cache_ops.read_column(reference, 0, history[0][0].shape[-2] - 1) if fixed else before
@@ -129,7 +131,7 @@ def test_exact_repair_makes_the_row_history_solo_bitwise(flipping_batch):
     with torch.inference_mode():
         policy = PolicySpec("oracle", "exact").build(model, prompts, prefills, solos, STEPS)
         free = run_free(model, prompts, prefills, "alone", PAD_ID, STEPS, set(), policy)
-        verifier: ExactVerifier = policy.verifier
+        verifier: ExactVerifier = policy.verifier.reference
         # A row's shadow starts at its first trigger after the prefill (step 0 checks the prefill's
         # own logits) and is advanced to each later trigger: it exists exactly for the rows the
         # run records a trigger at step >= 1 for, and has fed the emitted tokens up to the last one.

@@ -101,7 +101,7 @@ def compare(
         if threshold is not None and threshold_from is not None:
             raise UserError("give --threshold or --threshold-from, not both")
         tau, unit = read_calibration_threshold(threshold_from, model) if threshold_from else (threshold, threshold_unit)
-        from mgbench.engines.inprocess.policies import policy_specs
+        from mgbench.engines.inprocess.verification.spec import policy_specs
         from mgbench.pipelines.compare import run_compare  # loads torch
 
         policy_specs("margin", "exact", tau, unit)  # validates the threshold

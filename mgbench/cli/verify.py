@@ -158,18 +158,12 @@ def verify(
         if threshold_unit not in ("logit", "ulp"):
             raise UserError(f"--threshold-unit {threshold_unit!r}: choose logit or ulp")
         tau, unit = read_calibration_threshold(threshold_from, model) if threshold_from else (threshold, threshold_unit)
-        from mgbench.engines.inprocess.policies import policy_specs  # loads torch
-        from mgbench.engines.inprocess.replay import replay_policy_specs
+        from mgbench.engines.inprocess.verification.spec import policy_specs  # loads torch
         from mgbench.pipelines.verify import run_verify
 
-        if kernels == "fixed-order":
-            specs = replay_policy_specs(policy, tau, unit, window, verify_rows)
-        elif window is not None or verify_rows is not None:
+        if kernels != "fixed-order" and (window is not None or verify_rows is not None):
             raise UserError("--window and --verify-rows shape the replays of --kernels fixed-order: add it")
-        elif "window" in [p.strip() for p in policy.split(",")]:
-            raise UserError("--policy window verifies against fixed-order solo: add --kernels fixed-order")
-        else:
-            specs = policy_specs(policy, repair, tau, unit)
+        specs = policy_specs(policy, repair, tau, unit, kernels, window, verify_rows)
         if require_determinism is not None and not 0 <= require_determinism <= 1:
             raise UserError(f"--require-determinism {require_determinism}: use a fraction in [0, 1]")
         gate_spec = GateSpec(Thresholds(), baseline, alpha)

@@ -24,13 +24,14 @@ from mgbench.analysis import figures
 from mgbench.analysis.divergence import first_divergence
 from mgbench.assets import datasets
 from mgbench.engines.inprocess.audit import alone_or_stop, eos_token_ids, pad_token_id
-from mgbench.engines.inprocess.batch_invariant import InvariancePlan, decoding_mode
-from mgbench.engines.inprocess.kernels import Kernels
-from mgbench.engines.inprocess.policies import MarginGate
-from mgbench.engines.inprocess.replay import run_replay_verified
-from mgbench.engines.inprocess.runners import run_free, run_solo, synchronize
-from mgbench.engines.inprocess.step import StepContext
-from mgbench.engines.inprocess.stopwatch import Stopwatch
+from mgbench.engines.inprocess.kernels.batch_invariant import InvariancePlan, decoding_mode
+from mgbench.engines.inprocess.kernels.sets import Kernels
+from mgbench.engines.inprocess.metrics import margins
+from mgbench.engines.inprocess.runners import run_solo
+from mgbench.engines.inprocess.stopwatch import Stopwatch, synchronize
+from mgbench.engines.inprocess.verification.gates import MarginGate
+from mgbench.engines.inprocess.verification.loop import run_free
+from mgbench.engines.inprocess.verification.spec import verify_shape
 from mgbench.errors import UserError
 from mgbench.pipelines.compare_configs import (  # noqa: F401 (re-export)
     Config,
@@ -39,7 +40,6 @@ from mgbench.pipelines.compare_configs import (  # noqa: F401 (re-export)
     configurations,
     replay_pairs,
     replay_specs,
-    verify_shape,
 )
 from mgbench.pipelines.prepared import PreparedRun, prepare
 from mgbench.pipelines.probe import fixed_order_probe_for_run, fixed_order_summary, probe_for_run, run_summary
@@ -58,34 +58,11 @@ BREAKDOWN = ("gate", "decision_sync", "reference_forward", "cache_ops")
 def _decode_config(
     config: Config, lm, batches, solos, run: PreparedRun, eos_ids, pad_id, stopwatch, plan: InvariancePlan, fixed
 ):
-    """Decode every batch under one configuration: (seconds, outputs per request, triggers, repairs,
-    replay counts: {"replayed", "discarded"})."""
+    """Decode every batch under one configuration: (seconds, outputs per request, triggers (the
+    verifications), repairs (the rollbacks), replay counts: {"replayed", "discarded", ...})."""
     model = lm.model
     seconds, outputs, triggers, repairs, counts = 0.0, {}, 0, 0, {"replayed": 0, "discarded": 0}
     for members, prompts in batches:
-        if config.replay is not None:  # replays count as triggers, rollbacks as repairs
-            kernels, fixed_solos = fixed
-            prefills = [fixed_solos[i].row_prefill for i in members]
-            result = run_replay_verified(
-                model, prompts, pad_id, run.max_new_tokens, eos_ids, config.replay, kernels, prefills
-            )
-            seconds += result.decode_seconds
-            triggers, repairs = triggers + sum(result.verifications), repairs + sum(result.rollbacks)
-            counts["replayed"] += sum(result.replayed)
-            counts["discarded"] += sum(result.discarded)
-            counts["verify_forwards"] = counts.get("verify_forwards", 0) + result.forwards
-            counts["verify_slots"] = counts.get("verify_slots", 0) + result.fed
-            outputs.update(dict(zip(members, result.tokens)))
-            for row, i in enumerate(members):  # per sequence: what verification did to it
-                counts.setdefault("per_sequence", {})[i] = {
-                    "replays": result.verifications[row],
-                    "replayed": result.replayed[row],
-                    "rollbacks": result.rollbacks[row],
-                    "discarded": result.discarded[row],
-                    "gate_triggers": result.triggers[row],
-                    "batched_steps": result.steps[row],
-                }
-            continue
         if config.name == "solo":
             for i, prompt in zip(members, prompts):
                 result = run_solo(model, prompt, run.max_new_tokens, eos_ids)
@@ -93,24 +70,34 @@ def _decode_config(
                 outputs[i] = result.tokens.tolist()
             continue
         prefills = [solos[i].row_prefill for i in members]
+        kernels, fixed_solos = fixed
         if config.name == "batch-invariant":
             with decoding_mode(model, prompts, plan):
                 free = run_free(model, prompts, prefills, "alone", pad_id, run.max_new_tokens, eos_ids)
         elif config.name == "fixed-order kernels":
             # Its rows start from the fixed-order solo runs' prefills: the same computation, in its kernels.
-            kernels, fixed_solos = fixed
             prefills = [fixed_solos[i].row_prefill for i in members]
             with kernels.active(model):
                 free = run_free(model, prompts, prefills, "alone", pad_id, run.max_new_tokens, eos_ids, kernels=kernels)
         else:
+            if config.replays:  # verified against fixed-order solo: from its prefills
+                prefills = [fixed_solos[i].row_prefill for i in members]
             policy = config.spec.build(
-                model, prompts, prefills, [solos[i] for i in members], run.max_new_tokens, stopwatch
+                model, prompts, prefills, [solos[i] for i in members], run.max_new_tokens, stopwatch, kernels
             )
             free = run_free(model, prompts, prefills, "alone", pad_id, run.max_new_tokens, eos_ids, policy)
         seconds += free.decode_seconds
-        triggers += sum(map(sum, free.triggered))
-        repairs += sum(map(sum, free.repaired))
+        triggers += sum(free.records["verifications"])
+        repairs += sum(free.records["rollbacks"])
         outputs.update(dict(zip(members, free.tokens)))
+        counts["replayed"] += sum(free.records["replayed"])
+        counts["discarded"] += sum(free.records["discarded"])
+        if config.replays:
+            counts["verify_forwards"] = counts.get("verify_forwards", 0) + free.forwards
+            counts["verify_slots"] = counts.get("verify_slots", 0) + free.fed
+        if config.spec is not None:
+            for row, i in enumerate(members):  # per sequence: what verification did to it
+                counts.setdefault("per_sequence", {})[i] = free.per_sequence(row)
     return seconds, outputs, triggers, repairs, counts
 
 
@@ -118,22 +105,12 @@ def gate_cost(lm, members, solos, tau: float, unit: str, repeats: int = 50) -> d
     """Time of the gate alone (top-2, comparison, the host sync of its decision) on real logits of
     one batch (each row's first step, from its prefill)."""
     logits = torch.stack([solos[i].row_prefill.logits for i in members])
-    ctx = StepContext(
-        1,
-        logits,
-        None,
-        [0] * len(members),
-        torch.ones(len(members), dtype=torch.bool, device=logits.device),
-        None,
-        None,
-        [],
-    )
     gate = MarginGate(tau, unit)
-    gate.flags(ctx).nonzero().tolist()  # warm-up
+    gate.low(*margins(logits)).nonzero().tolist()  # warm-up
     synchronize(logits.device)
     start = time.perf_counter()
     for _ in range(repeats):
-        gate.flags(ctx).nonzero().tolist()
+        gate.low(*margins(logits)).nonzero().tolist()
     synchronize(logits.device)
     return {"gate_seconds_per_step": (time.perf_counter() - start) / repeats}
 
@@ -162,10 +139,10 @@ def time_configurations(
     configs = configurations(tau, unit, only)
     rows, sequences = [], []
     probe = probe_for_run(lm, run, batch_size) if any(c.name == "batch-invariant" for c in configs) else None
-    uses_fixed = any(c.replay is not None or c.name == "fixed-order kernels" for c in configs)
+    uses_fixed = any(c.replays or c.name == "fixed-order kernels" for c in configs)
     # The probe checks every forward the replays make: W tokens of one row, N x W packed, and a
     # verify batch of N rows of W tokens against the same rows' steps.
-    calls, verify_rows, verify_tokens = verify_shape([c.replay for c in configs if c.replay is not None])
+    calls, verify_rows, verify_tokens = verify_shape([c.spec for c in configs if c.replays])
     fixed_probe = (
         fixed_order_probe_for_run(lm, run, batch_size, max(2, verify_tokens), tile_rows, calls, verify_rows)
         if uses_fixed
@@ -186,7 +163,7 @@ def time_configurations(
     # over the batches.
     decoded = {(repeat, c.name): Decoded() for repeat in range(repeats) for c in configs}
     references: dict[str, dict] = {"stock solo": {}, "fixed-order solo": {}}
-    stopwatches = {c.name: Stopwatch(device) for c in configs if c.spec is not None}
+    stopwatches = {c.name: Stopwatch(device) for c in configs if c.spec is not None and not c.replays}
     iterations, extra = 0, {}
     with torch.inference_mode():
         for number, batch in enumerate(batches):
@@ -304,7 +281,7 @@ def run_compare(
 ) -> None:
     """`mgbench compare` from validated options to compare.parquet, its plots and its report."""
     chosen = configurations(tau, unit, only)  # an unknown --only prefix fails before anything loads
-    if tile_rows is not None and not any(c.replay is not None or c.name == "fixed-order kernels" for c in chosen):
+    if tile_rows is not None and not any(c.replays or c.name == "fixed-order kernels" for c in chosen):
         raise UserError("--tile-rows sets the fixed-order kernels' tile: --only leaves no fixed-order configuration")
     configs = len(chosen)
     run = prepare(options)
@@ -374,7 +351,7 @@ def run_compare(
     compare_table = pa.Table.from_pandas(runs, preserve_index=False)
     compare_table = compare_table.replace_schema_metadata({schema.SCHEMA_KEY: SCHEMA_VERSION.encode()})
     tables = {"compare": compare_table}
-    if not replay_sequences.empty:  # one row per (replay configuration, request), first repeat
+    if not replay_sequences.empty:  # one row per (policy configuration, request), first repeat
         replay_table = pa.Table.from_pandas(
             replay_sequences.astype({"first_divergence": "Int64"}), preserve_index=False
         )

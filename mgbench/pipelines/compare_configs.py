@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mgbench.engines.inprocess.policies import PolicySpec
-from mgbench.engines.inprocess.replay import ReplaySpec, verify_shape  # noqa: F401 (re-export)
+from mgbench.engines.inprocess.verification.spec import PolicySpec
 from mgbench.errors import UserError
 from mgbench.runs.options import reference_of
 
@@ -38,26 +37,30 @@ class Decoded:
 @dataclass(frozen=True)
 class Config:
     name: str
-    spec: PolicySpec | None  # None: a baseline (solo, batch-invariant) or a replay-verified policy
-    replay: ReplaySpec | None = None  # verification by replay against the fixed-order reference
+    spec: PolicySpec | None  # None: a baseline (solo, batch-invariant, fixed-order kernels)
+
+    @property
+    def replays(self) -> bool:
+        """Verified (or, `none (start-aligned)`, decoded) as the replay policies are, against fixed-order solo."""
+        return self.spec is not None and self.spec.repair == "replay"
 
 
-def replay_specs(tau: float, unit: str) -> list[ReplaySpec]:
+def replay_specs(tau: float, unit: str) -> list[PolicySpec]:
     """LLM-42's window at W = 64 and 32 in verify batches of N = 8, 16 and 1 (per row); MarginGate
     on the same reference in batches of N = 8, verifying at once or waiting for company, with and
     without the end check, and per row; and the same stock decoding unverified (what the replays'
     increments are made of)."""
     margin = [
-        ReplaySpec("margin", tau=tau, unit=unit),
-        ReplaySpec("margin", tau=tau, unit=unit, wait=True),
-        ReplaySpec("margin", tau=tau, unit=unit, end_check=False),
-        ReplaySpec("margin", tau=tau, unit=unit, rows=1),
+        PolicySpec("margin", "replay", tau, unit),
+        PolicySpec("margin", "replay", tau, unit, wait=True),
+        PolicySpec("margin", "replay", tau, unit, end_check=False),
+        PolicySpec("margin", "replay", tau, unit, rows=1),
     ]
-    windows = [ReplaySpec("window", window=w, rows=n) for w in WINDOWS for n in VERIFY_BATCHES]
-    return [ReplaySpec("none"), *windows, *margin]
+    windows = [PolicySpec("window", "replay", window=w, rows=n) for w in WINDOWS for n in VERIFY_BATCHES]
+    return [PolicySpec("none", "replay"), *windows, *margin]
 
 
-def replay_pairs(specs: list[ReplaySpec]) -> list[tuple[ReplaySpec, ReplaySpec]]:
+def replay_pairs(specs: list[PolicySpec]) -> list[tuple[PolicySpec, PolicySpec]]:
     """(window, MarginGate) pairs whose reduction is reported: the same verify batch rows N (packed
     against packed, per row against per row)."""
     windows = [s for s in specs if s.kind == "window"]
@@ -72,7 +75,7 @@ def configurations(tau: float, unit: str, only: tuple[str, ...] | None = None) -
             spec = PolicySpec(kind, repair, tau if kind == "margin" else None, unit)
             configs.append(Config(spec.label, spec))
     configs += [Config("fixed-order kernels", None)]
-    configs += [Config(spec.label, None, spec) for spec in replay_specs(tau, unit)]
+    configs += [Config(spec.label, spec) for spec in replay_specs(tau, unit)]
     configs += [Config("batch-invariant", None), Config("solo", None)]
     if only is None:
         return configs
@@ -81,10 +84,10 @@ def configurations(tau: float, unit: str, only: tuple[str, ...] | None = None) -
         names = ", ".join(c.name for c in configs)
         raise UserError(f"--only {','.join(unmatched)}: no configuration starts with it (they are: {names})")
     chosen = [c for c in configs if c.name == "none" or c.name.startswith(only)]
-    if any(c.replay is not None for c in chosen):  # the replays' own base: the same decoding unverified
+    if any(c.replays for c in chosen):  # the replays' own base: the same decoding unverified
         chosen = [c for c in configs if c in chosen or c.name == "none (start-aligned)"]
     return chosen
 
 
 def config_reference(config: Config) -> str:
-    return reference_of("fixed-order" if config.name == "fixed-order kernels" or config.replay else "stock")
+    return reference_of("fixed-order" if config.name == "fixed-order kernels" or config.replays else "stock")

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from mgbench.assets import datasets
-from mgbench.engines.inprocess.fixed_order_probe import FixedOrderProbe, probe_fixed_order
-from mgbench.engines.inprocess.invariance_probe import ProbeReport, machine_facts, probe_model
-from mgbench.engines.inprocess.kernels import STOCK, Kernels
-from mgbench.engines.inprocess.replay import verify_shape
+from mgbench.engines.inprocess.kernels.fixed_order_probe import FixedOrderProbe, probe_fixed_order
+from mgbench.engines.inprocess.kernels.invariance_probe import ProbeReport, machine_facts, probe_model
+from mgbench.engines.inprocess.kernels.sets import STOCK, Kernels
+from mgbench.engines.inprocess.verification.spec import verify_shape
 from mgbench.pipelines.prepared import prepare
 from mgbench.pipelines.session import finish_output, load_with_status
 from mgbench.render import probe_terminal

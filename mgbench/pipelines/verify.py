@@ -18,11 +18,10 @@ from mgbench.analysis.gate import GateSpec
 from mgbench.assets import datasets
 from mgbench.assets.needle import batch_layouts, filler_prompts
 from mgbench.engines.inprocess.audit import eos_token_ids, pad_token_id, solo_groups
-from mgbench.engines.inprocess.batch_invariant import InvariancePlan, decoding_mode
-from mgbench.engines.inprocess.kernels import STOCK, Kernels
-from mgbench.engines.inprocess.policies import PolicySpec
-from mgbench.engines.inprocess.replay import ReplaySpec, run_replay_verified
-from mgbench.engines.inprocess.runners import row_prefills, run_free
+from mgbench.engines.inprocess.kernels.batch_invariant import InvariancePlan, decoding_mode
+from mgbench.engines.inprocess.kernels.sets import STOCK, Kernels, row_prefills
+from mgbench.engines.inprocess.verification.loop import run_free
+from mgbench.engines.inprocess.verification.spec import PolicySpec
 from mgbench.pipelines.prepared import PreparedRun, fingerprint, prepare, with_gate
 from mgbench.pipelines.probe import fixed_order_summary, kernels_for_run, probe_if_invariant
 from mgbench.pipelines.session import attach_gate, finish_output, gate_lines, load_with_status, shard_status, warn_split
@@ -100,7 +99,7 @@ def verify_groups(
                             ran = len(part.prompts)
                             key = (spec.label, ran)
                             records.seconds[key] = records.seconds.get(key, 0.0) + free.decode_seconds
-                            for shortfall in getattr(getattr(policy, "verifier", None), "shortfalls", []):
+                            for shortfall in policy.verifier.shortfalls:
                                 if shortfall["row"] in part.rows:
                                     request = run.requests[part.members[part.rows.index(shortfall["row"])]]
                                     records.shortfalls.append(
@@ -156,13 +155,12 @@ class Batch:
 def _run_batch(model, run, spec, pad_id, eos_ids, batch: Batch, plan: InvariancePlan | None, kernels=STOCK):
     with kernels.active(model):
         prefills = row_prefills(model, batch.prompts, batch.prefills)
-    if isinstance(spec, ReplaySpec):  # stock decoding verified by replay against fixed-order solo
-        result = run_replay_verified(model, batch.prompts, pad_id, run.max_new_tokens, eos_ids, spec, kernels, prefills)
-        return result.as_free_run(), None
-    policy = spec.build(model, batch.prompts, prefills, batch.solos, run.max_new_tokens)
-    with decoding_mode(model, batch.prompts, plan), kernels.active(model):
+    policy = spec.build(model, batch.prompts, prefills, batch.solos, run.max_new_tokens, kernels=kernels)
+    # A replay policy's batch decodes with the stock kernels (it verifies with `kernels`).
+    decoding = STOCK if spec.repair == "replay" else kernels
+    with decoding_mode(model, batch.prompts, plan), decoding.active(model):
         free = run_free(
-            model, batch.prompts, prefills, run.options.prefill, pad_id, run.max_new_tokens, eos_ids, policy, kernels
+            model, batch.prompts, prefills, run.options.prefill, pad_id, run.max_new_tokens, eos_ids, policy, decoding
         )
     return free, policy
 
@@ -227,6 +225,7 @@ def _append(records, run, spec, batch_id, row, batch_size, free, prompt, request
             "steps": n,
             "triggers": int(sum(free.triggered[row])),
             "repairs": int(sum(free.repaired[row])),
+            **{name: free.per_sequence(row)[name] for name in ("replays", "replayed", "rollbacks", "discarded")},
         }
     )
 
@@ -369,7 +368,7 @@ def run_verify(
     with output_dir(placement, out) as target, open_writer(run, specs, needle, target) as writer:
         lm = None if writer.finishing_only else load_with_status(options)
         probe = probe_if_invariant(lm, run)
-        kernels, fixed_probe = kernels_for_run(lm, run, replays=[s for s in specs if isinstance(s, ReplaySpec)])
+        kernels, fixed_probe = kernels_for_run(lm, run, replays=[s for s in specs if s.verify_calls])
         with pass_progress(
             "solo (batch size 1)",
             f"batched x {len(specs)} policies",

@@ -88,6 +88,15 @@ VERIFY_STEP_FIELDS = [
     ("triggered", pa.bool_()),
     ("repaired", pa.bool_()),
 ]
+# What verification did to a sequence, as the one free-running loop counts it for every policy:
+# verifications it took part in, reference tokens computed for it, repairs (rollbacks), and the
+# emitted tokens those threw away.
+REPLAY_RECORD_FIELDS = [
+    ("replays", pa.int32()),
+    ("replayed", pa.int32()),
+    ("rollbacks", pa.int32()),
+    ("discarded", pa.int32()),
+]
 VERIFY_SEQUENCE_FIELDS = [
     *PLACEMENT_FIELDS,
     ("policy", pa.string()),
@@ -100,6 +109,7 @@ VERIFY_SEQUENCE_FIELDS = [
     ("steps", pa.int32()),
     ("triggers", pa.int32()),
     ("repairs", pa.int32()),
+    *REPLAY_RECORD_FIELDS,
 ]
 VERIFY_STEPS_SCHEMA = pa.schema(
     VERIFY_STEP_FIELDS, metadata={SCHEMA_KEY: SCHEMA_VERSION.encode(), b"mgbench.table": b"verify_steps"}
@@ -158,7 +168,7 @@ def sequences_table(rows: list[dict], model: str, policy: str = "none") -> pa.Ta
 
 # Every schema version this project has written, oldest first. A table of an older version is
 # upgraded on read, so runs recorded by an earlier release (CI baselines among them) stay usable.
-READABLE_VERSIONS = ("1", "2", SCHEMA_VERSION)
+READABLE_VERSIONS = ("1", "2", "3", SCHEMA_VERSION)
 # The key under which an upgraded table remembers the version it was read from.
 READ_FROM_KEY = b"mgbench.schema_version_read"
 
@@ -190,7 +200,16 @@ def upgrade_v2(table: pa.Table, expected: pa.Schema) -> pa.Table:
     return table
 
 
-UPGRADES = {"1": upgrade_v1, "2": upgrade_v2}  # version -> the function that lifts it to the next version
+def upgrade_v3(table: pa.Table, expected: pa.Schema) -> pa.Table:
+    """Schema 3 -> 4. Only verify's sequences table changed: it gained the replay records
+    (`replays, replayed, rollbacks, discarded`; not recorded then: null)."""
+    for name, kind in REPLAY_RECORD_FIELDS:
+        if name in expected.names and name not in table.schema.names:
+            table = _with_column(table, name, pa.nulls(table.num_rows, kind), expected)
+    return table
+
+
+UPGRADES = {"1": upgrade_v1, "2": upgrade_v2, "3": upgrade_v3}  # version -> the function that lifts it to the next version
 
 
 def upgrade(table: pa.Table, version: str, expected: pa.Schema) -> pa.Table:

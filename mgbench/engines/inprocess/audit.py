@@ -16,9 +16,10 @@ import torch
 
 from mgbench.analysis.divergence import first_divergence
 from mgbench.assets.datasets import Request
-from mgbench.engines.inprocess.batch_invariant import InvariancePlan, decoding_mode
-from mgbench.engines.inprocess.kernels import STOCK, Kernels
-from mgbench.engines.inprocess.runners import run_free, run_solo, run_teacher_forced
+from mgbench.engines.inprocess.kernels.batch_invariant import InvariancePlan, decoding_mode
+from mgbench.engines.inprocess.kernels.sets import STOCK, Kernels
+from mgbench.engines.inprocess.runners import run_solo, run_teacher_forced
+from mgbench.engines.inprocess.verification.loop import run_free
 from mgbench.engines.interface import AuditRecords
 from mgbench.runs.groups import ProgressFn, batch_id_base, wanted_groups
 from mgbench.runs.oom import SplitFn, recording_splits, run_splitting_on_oom

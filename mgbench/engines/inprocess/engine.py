@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from mgbench.engines.inprocess.audit import audit_groups
-from mgbench.engines.inprocess.kernels import STOCK, Kernels
+from mgbench.engines.inprocess.kernels.sets import STOCK, Kernels
 from mgbench.engines.interface import run_options
 from mgbench.runs import rundir
 

@@ -1,8 +1,8 @@
-"""Runners: solo reference, teacher-forced batched audit, free-running batched with a policy."""
+"""Runners: the solo reference and the teacher-forced batched audit (free-running decoding under a
+policy is `verification/loop.py`)."""
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -11,72 +11,10 @@ import torch
 from mgbench.analysis.divergence import first_divergence
 from mgbench.engines.inprocess.decode import RowPrefill
 from mgbench.engines.inprocess.host_heap import trim_host_heap
-from mgbench.engines.inprocess.kernels import STOCK, Kernels, PaddedDecoder, row_prefills  # noqa: F401 (re-export)
-from mgbench.engines.inprocess.metrics import TOP_LOGPROBS, kv_relative_delta, margins, step_metrics
-from mgbench.engines.inprocess.policies import NoVerification, Policy
-from mgbench.engines.inprocess.step import StepContext
+from mgbench.engines.inprocess.kernels.sets import STOCK, Kernels, PaddedDecoder, row_prefills  # noqa: F401 (re-export)
+from mgbench.engines.inprocess.metrics import TOP_LOGPROBS, kv_relative_delta, step_metrics
+from mgbench.engines.inprocess.stopwatch import DecodeTimer, SectionTimer
 from mgbench.errors import UserError
-
-
-def synchronize(device) -> None:
-    """Wait for queued kernels so wall-clock readings cover the work they claim to."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class DecodeTimer:
-    """Elapsed seconds of a decode loop: CUDA events on a GPU (queued with the kernels they
-    bracket), perf_counter after a synchronize elsewhere."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        if self.cuda:
-            # Recorded on the run's device's stream, whichever GPU is current.
-            self.stream = torch.cuda.current_stream(torch.device(device))
-            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.begin.record(self.stream)
-        else:
-            self.started = time.perf_counter()
-
-    def seconds(self) -> float:
-        if self.cuda:
-            self.end.record(self.stream)
-            self.end.synchronize()
-            return self.begin.elapsed_time(self.end) / 1000.0
-        return time.perf_counter() - self.started
-
-
-class SectionTimer:
-    """Seconds spent inside `with timer:` blocks, summed: CUDA events on the run's GPU (read once,
-    at the end), perf_counter elsewhere. Times the solo lanes of a lockstep loop apart from the batch."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.stream = torch.cuda.current_stream(torch.device(device)) if self.cuda else None
-        self.spans: list = []
-        self.total = 0.0
-
-    def __enter__(self):
-        if self.cuda:
-            self.begin = torch.cuda.Event(enable_timing=True)
-            self.begin.record(self.stream)
-        else:
-            self.started = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(self.stream)
-            self.spans.append((self.begin, end))
-        else:
-            self.total += time.perf_counter() - self.started
-
-    def seconds(self) -> float:
-        if self.spans:
-            self.spans[-1][1].synchronize()
-            self.total += sum(begin.elapsed_time(end) for begin, end in self.spans) / 1000.0
-            self.spans = []
-        return self.total
 
 
 @dataclass
@@ -98,17 +36,6 @@ class TeacherForcedResult:
     rows: list[dict]  # per row: metric name -> numpy array over the row's steps
     solos: list[SoloResult]  # each row's solo reference (the one given, or the one decoded in lockstep)
     solo_seconds: float  # the solo lanes' decode steps (steps 1..), all rows together
-
-
-@dataclass
-class FreeRunResult:
-    pad_lens: list[int]
-    tokens: list[list[int]]  # per row, up to and including EOS
-    triggered: list[list[bool]]
-    repaired: list[list[bool]]
-    margin: list[list[float]]  # batched top-1/top-2 margin of each emitted step
-    margin_ulp: list[list[float]]
-    decode_seconds: float
 
 
 def solo_summary(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -265,58 +192,3 @@ def _check_repeat(expected: list[int] | None, decoded: list[int]) -> None:
             "batch sizes of one run would be compared with different references; sweep one batch size "
             "per run (--batch-size)"
         )
-
-
-def run_free(
-    model,
-    prompts,
-    prefills: list[RowPrefill | None] | None,
-    prefill: str,
-    pad_id: int,
-    max_new_tokens: int,
-    eos_ids: set[int],
-    policy: Policy | None = None,
-    kernels: Kernels = STOCK,
-) -> FreeRunResult:
-    """Free-running batched greedy decoding: each row continues from its own emitted tokens.
-
-    Under `--prefill alone` the step-0 token comes from each row's prefill alone, which is the
-    reference itself, so the policy first acts at step 1.
-    """
-    policy = policy or NoVerification()
-    device = prompts[0].device
-    batch = len(prompts)
-    prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
-    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
-
-    decoder = kernels.batch(model, prompts, prefills, prefill, pad_id, max_new_tokens)
-    logits, cache, pads = decoder.logits, decoder.cache, decoder.pads
-    active = torch.ones(batch, dtype=torch.bool, device=device)
-    first = NoVerification() if prefill == "alone" else policy
-    decision = first.decide(StepContext(0, logits, cache, pads, active, None, None, []))
-    fields = ("tokens", "triggered", "repaired", "alive", "margin", "margin_ulp")
-    history = StepColumns(max_new_tokens)
-    history.put(dict(zip(fields, (decision.tokens, decision.triggered, decision.repaired, active, *margins(logits)))))
-    emitted = [decision.tokens]
-    timer = DecodeTimer(device)
-    for step in range(1, max_new_tokens):
-        active = active & ~torch.isin(emitted[-1], eos)
-        if not bool(active.any()):
-            break
-        trim_host_heap(step, device)
-        fed = torch.where(active, emitted[-1], torch.full_like(emitted[-1], pad_id))
-        positions = prompt_lens + step - 1
-        logits = decoder.step(fed, positions)
-        decision = policy.decide(StepContext(step, logits, cache, pads, active, fed, positions, emitted))
-        emitted.append(decision.tokens)
-        triggered, repaired = decision.triggered & active, decision.repaired & active
-        history.put(dict(zip(fields, (decision.tokens, triggered, repaired, active, *margins(logits)))))
-    seconds = timer.seconds()
-
-    tokens, triggered, repaired, alive, margin, margin_ulp = (history[name].cpu() for name in fields)
-    keep = [alive[row].nonzero().flatten().tolist() for row in range(batch)]
-
-    def pick(table: torch.Tensor) -> list[list]:  # each row's alive steps
-        return [table[row, idx].tolist() for row, idx in enumerate(keep)]
-
-    return FreeRunResult(pads, pick(tokens), pick(triggered), pick(repaired), pick(margin), pick(margin_ulp), seconds)

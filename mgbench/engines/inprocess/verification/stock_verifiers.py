@@ -28,8 +28,8 @@ import torch
 
 from mgbench.engines.inprocess.cache import cache_from_layers, cache_layers, clone_layers, read_column, write_column
 from mgbench.engines.inprocess.decode import RowPrefill, decode_step, prefill_alone
-from mgbench.engines.inprocess.step import StepContext
 from mgbench.engines.inprocess.stopwatch import NoStopwatch
+from mgbench.engines.inprocess.verification.step import StepContext
 
 REPAIR_MODES = ("column", "exact")
 
@@ -60,7 +60,7 @@ class _PrefillReference:
         solo_token = int(solo.tokens[ctx.step])
         if int(reference.argmax()) == solo_token:
             return
-        prefix = [int(t[row]) for t in ctx.emitted]
+        prefix = ctx.emitted[row][: ctx.step]
         if prefix != solo.tokens[: ctx.step].tolist():
             return  # already diverged earlier: not a new shortfall
         ref_top = reference.float().topk(2).values
@@ -87,20 +87,20 @@ class _PrefillReference:
             self.prefills[row] = RowPrefill(logits, clone_layers(cache_layers(cache)))
         return self.prefills[row]
 
-    def verify_prefill(self, ctx: StepContext, row: int) -> tuple[int, bool]:
+    def verify_prefill(self, ctx: StepContext, row: int) -> tuple[int, bool, int]:
         reference = self.prefill_of(row)
         self.check_reference(ctx, row, reference.logits)
         token = int(reference.logits.argmax())
         if token == int(ctx.logits[row].argmax()):
-            return token, False
+            return token, False, 1
         overwrite_row_history(ctx.cache, row, ctx.pad_lens[row], cache_from_layers(reference.layers, self.model.config))
-        return token, True
+        return token, True, 1
 
 
 class ColumnVerifier(_PrefillReference):
     name = "column"
 
-    def verify(self, ctx: StepContext, row: int) -> tuple[int, bool]:
+    def verify(self, ctx: StepContext, row: int) -> tuple[int, bool, int]:
         if ctx.step == 0:
             return self.verify_prefill(ctx, row)
         pad = ctx.pad_lens[row]
@@ -117,10 +117,10 @@ class ColumnVerifier(_PrefillReference):
         with self.clock.section("decision_sync"):
             token, batched_token = int(logits[0].argmax()), int(ctx.logits[row].argmax())
         if token == batched_token:
-            return token, False
+            return token, False, 1
         with self.clock.section("cache_ops"):
             write_column(ctx.cache, row, pad + length, read_column(reference, 0, length))
-        return token, True
+        return token, True, 1
 
 
 @dataclass
@@ -147,17 +147,18 @@ class ExactVerifier(_PrefillReference):
             self.shadows[row] = Shadow(cache, mask, 0, prefill.logits)
         return self.shadows[row]
 
-    def advance(self, ctx: StepContext, row: int) -> Shadow:
-        """Replay the row's emitted tokens up to this step, one solo decode step each."""
+    def advance(self, ctx: StepContext, row: int) -> tuple[Shadow, int]:
+        """Replay the row's emitted tokens up to this step, one solo decode step each: (the
+        shadow, the steps replayed)."""
         shadow = self.shadow_of(row)
         device = ctx.logits.device
         prompt_len = len(self.prompts[row])
         with self.clock.section("decision_sync"):
-            pending = [int(t[row]) for t in ctx.emitted[shadow.fed : ctx.step]]
+            pending = ctx.emitted[row][shadow.fed : ctx.step]
         with self.clock.section("reference_forward"):
             self._replay(shadow, pending, prompt_len, device)
         shadow.fed = ctx.step
-        return shadow
+        return shadow, len(pending)
 
     def _replay(self, shadow: Shadow, pending: list[int], prompt_len: int, device) -> None:
         for offset, token in enumerate(pending):
@@ -167,23 +168,49 @@ class ExactVerifier(_PrefillReference):
             )
             shadow.logits = logits[0]
 
-    def verify(self, ctx: StepContext, row: int) -> tuple[int, bool]:
+    def verify(self, ctx: StepContext, row: int) -> tuple[int, bool, int]:
         if ctx.step == 0:
             return self.verify_prefill(ctx, row)
-        shadow = self.advance(ctx, row)
+        shadow, replayed = self.advance(ctx, row)
         self.check_reference(ctx, row, shadow.logits)
         with self.clock.section("decision_sync"):
             token, batched_token = int(shadow.logits.argmax()), int(ctx.logits[row].argmax())
         if token == batched_token:
-            return token, False
+            return token, False, replayed
         with self.clock.section("cache_ops"):
             overwrite_row_history(ctx.cache, row, ctx.pad_lens[row], shadow.cache)
-        return token, True
+        return token, True, replayed
+
+
+class StockRepair:
+    """The free-running loop's verifier against stock solo: the batch decodes over `kernels`' own
+    decoder, and each flagged step is checked at once by `reference` (None: never verified), its
+    token replaced on a mismatch (a rollback that discards nothing)."""
+
+    def __init__(self, reference: ColumnVerifier | ExactVerifier | None):
+        self.reference = reference
+        self.shortfalls = reference.shortfalls if reference is not None else []
+        self.forwards = self.fed = 0
+
+    def open(self, model, prompts, prefills, prefill: str, pad_id: int, room: int, kernels):
+        self.decoder = kernels.batch(model, prompts, prefills, prefill, pad_id, room)
+        return self.decoder
+
+    def settle(self, ctx: StepContext, rows, flagged: list[int]) -> None:
+        for r in flagged:
+            token, _, computed = self.reference.verify(ctx, r)
+            self.forwards, self.fed = self.forwards + computed, self.fed + computed
+            rows[r].check_last(token, computed)
+
+    def settled(self, row) -> bool:
+        return True  # the tail after the last flagged step stands unchecked
 
 
 def make_verifier(mode: str, model, prompts, prefills, solos=None, stopwatch=None):
     if mode == "column":
-        return ColumnVerifier(model, prompts, prefills, solos, stopwatch)
+        return StockRepair(ColumnVerifier(model, prompts, prefills, solos, stopwatch))
     if mode == "exact":
-        return ExactVerifier(model, prompts, prefills, solos, stopwatch)
+        return StockRepair(ExactVerifier(model, prompts, prefills, solos, stopwatch))
+    if mode == "none":
+        return StockRepair(None)
     raise ValueError(f"unknown repair mode {mode!r}")

@@ -6,7 +6,9 @@
   batch and for the solo reference alike.
 
 A decoder holds one batch's cache: `logits` after the prefill, `step(tokens, positions)` for one
-token per row, `columns(row, start, count)` for a row's K/V at its own positions 0.., `pads`.
+token per row, `columns(row, start, count)` for a row's K/V at its own positions 0.., `pads`, and
+`decoding()`, the block its steps run inside. `StockAlignedDecoder` (stock kernels over a
+start-aligned cache) is the decoding that verification by replay checks.
 """
 
 from __future__ import annotations
@@ -16,10 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
-from mgbench.engines.inprocess.aligned_cache import StartAlignedCache
 from mgbench.engines.inprocess.cache import cache_from_layers, cache_layers, clone_layers, columns_of_row
 from mgbench.engines.inprocess.decode import RowPrefill, assemble_prefilled, decode_step, prefill_alone, prefill_batched
-from mgbench.engines.inprocess.fixed_order import FixedOrderPlan, fixed_order_kernels, fixed_order_step
+from mgbench.engines.inprocess.kernels.aligned_cache import StartAlignedCache, StockAlignedCache
+from mgbench.engines.inprocess.kernels.fixed_order import (
+    FixedOrderPlan,
+    aligned_attention,
+    fixed_order_forward,
+    fixed_order_kernels,
+    fixed_order_step,
+)
 from mgbench.runs.options import KERNEL_SETS
 
 
@@ -52,6 +60,9 @@ class PaddedDecoder:
             self.logits, self.cache, self.mask, self.pads = prefill_batched(model, prompts, pad_id)
         else:
             raise ValueError(f"unknown prefill mode {prefill!r}")
+
+    def decoding(self):
+        return nullcontext()
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         logits, self.mask = decode_step(self.model, self.cache, tokens, positions, self.mask)
@@ -89,11 +100,31 @@ class AlignedDecoder:
         lengths = [len(p) for p in prompts]
         self.cache = StartAlignedCache.from_prefills([p.layers for p in rows], room, plan.chunk, lengths)
 
+    def decoding(self):
+        return nullcontext()  # the caller's `Kernels.active` block
+
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return fixed_order_step(self.model, self.cache, tokens, positions)
 
     def columns(self, row: int, start: int, count: int) -> torch.Tensor:
         return self.cache.columns_of_row(row, start, count, self.dtype)
+
+
+class StockAlignedDecoder:
+    """Stock kernels over a start-aligned cache: each row at its own positions, so one row can move
+    back (a rollback) while the others go on. Its steps run inside `decoding()`, which gives the
+    stock attention each row's own keys (the plan's chunk is not used by the stock kernels)."""
+
+    def __init__(self, model, prefills: list[RowPrefill], lengths: list[int], room: int, plan: FixedOrderPlan):
+        self.model, self.plan, self.pads = model, plan, [0] * len(prefills)
+        self.logits = torch.stack([p.logits for p in prefills])
+        self.cache = StockAlignedCache.from_prefills([p.layers for p in prefills], room + 1, lengths)
+
+    def decoding(self):
+        return aligned_attention(self.model, self.plan)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return fixed_order_forward(self.model, self.cache, tokens.view(-1, 1), positions.view(-1, 1))[:, -1]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from mgbench.engines.inprocess.attention_forms import (
+from mgbench.engines.inprocess.cache import clone_layers
+from mgbench.engines.inprocess.decode import RowPrefill, assemble_prefilled, decode_step
+from mgbench.engines.inprocess.kernels.attention_forms import (
     ALIGNMENTS,
     KV_BLOCK,
     PER_ROW,
@@ -27,17 +29,16 @@ from mgbench.engines.inprocess.attention_forms import (
     rows_differing,
     synthetic_long_calls,
 )
-from mgbench.engines.inprocess.batch_invariant import (
+from mgbench.engines.inprocess.kernels.batch_invariant import (
     InvariancePlan,
     RowForm,
     apply_form,
     batch_invariant,
     wrapped_attention,
 )
-from mgbench.engines.inprocess.cache import clone_layers
-from mgbench.engines.inprocess.decode import RowPrefill, assemble_prefilled, decode_step
+from mgbench.engines.inprocess.kernels.sets import row_prefills
 from mgbench.engines.inprocess.metrics import max_abs_diff
-from mgbench.engines.inprocess.runners import row_prefills, synchronize
+from mgbench.engines.inprocess.stopwatch import synchronize
 from mgbench.runs.machine import machine_facts  # noqa: F401 (re-export)
 
 

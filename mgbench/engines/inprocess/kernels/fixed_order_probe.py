@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, chunks_for
-from mgbench.engines.inprocess.fixed_order import (
+from mgbench.engines.inprocess.kernels.aligned_cache import StartAlignedCache, chunks_for
+from mgbench.engines.inprocess.kernels.fixed_order import (
     CHUNK,
     ROW_FORMS,
     FixedOrderPlan,
@@ -39,9 +39,9 @@ from mgbench.engines.inprocess.fixed_order import (
     run_in_form,
     wrapped_attention,
 )
-from mgbench.engines.inprocess.form_checks import POOL_ROWS, _Capture, _compare, _form_differs
-from mgbench.engines.inprocess.invariance_probe import _time_ms  # synchronizes on CUDA
-from mgbench.engines.inprocess.kernels import row_prefills
+from mgbench.engines.inprocess.kernels.form_checks import POOL_ROWS, _Capture, _compare, _form_differs
+from mgbench.engines.inprocess.kernels.invariance_probe import _time_ms  # synchronizes on CUDA
+from mgbench.engines.inprocess.kernels.sets import row_prefills
 from mgbench.engines.inprocess.metrics import max_abs_diff
 
 ATTENTION_FORMS = ("batched", "per-row")

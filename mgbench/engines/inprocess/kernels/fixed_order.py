@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mgbench.engines.inprocess.aligned_cache import StartAlignedCache, StockAlignedCache, chunks_for
-from mgbench.engines.inprocess.batch_invariant import wrapped_attention
+from mgbench.engines.inprocess.kernels.aligned_cache import StartAlignedCache, StockAlignedCache, chunks_for
+from mgbench.engines.inprocess.kernels.batch_invariant import wrapped_attention
 
 CHUNK = 64  # keys per reduction chunk (the probe checks it)
 _CACHE: ContextVar[StartAlignedCache | None] = ContextVar("mgbench_fixed_order_cache", default=None)

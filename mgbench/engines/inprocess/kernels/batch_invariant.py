@@ -27,7 +27,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from mgbench.engines.inprocess.attention_forms import PER_ROW, AttentionForm, BatchAttention
+from mgbench.engines.inprocess.kernels.attention_forms import PER_ROW, AttentionForm, BatchAttention
 
 # --- attention -------------------------------------------------------------------------------
 

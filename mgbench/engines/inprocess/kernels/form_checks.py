@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mgbench.engines.inprocess.fixed_order import _CACHE, attention_arguments, run_in_form
+from mgbench.engines.inprocess.kernels.fixed_order import _CACHE, attention_arguments, run_in_form
 from mgbench.engines.inprocess.metrics import max_abs_diff
 
 
