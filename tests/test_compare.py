@@ -109,14 +109,14 @@ def test_compare_harness_excludes_warmup_and_reports_every_config(compare_run_di
         "oracle/exact",
         "fixed-order kernels",
         "none (start-aligned)",
-        "window W=64, N=8",
-        "window W=64, N=16",
-        "window W=64, per row",
-        "window W=32, N=8",
-        "window W=32, N=16",
-        "window W=32, per row",
+        "window W=64/replay N=8",
+        "window W=64/replay N=16",
+        "window W=64/replay per row",
+        "window W=32/replay N=8",
+        "window W=32/replay N=16",
+        "window W=32/replay per row",
         "margin<0.05/replay N=8",
-        "margin<0.05/replay N=8, waits",
+        "margin<0.05/replay N=8 (waits)",
         "margin<0.05/replay N=8 (no end check)",
         "margin<0.05/replay per row",
         "batch-invariant",
@@ -187,12 +187,12 @@ def test_batch_invariant_baseline_is_exact(compare_run_dir):
     # Packed: every verify forward computed exactly N rows of W tokens (dummies and padding included).
     recorded = pd.read_parquet(compare_run_dir / "compare.parquet")
     runs_first = recorded[recorded["repeat"] == 0].set_index("config")
-    for config, n, w in (("window W=64, N=8", 8, 64), ("window W=32, N=16", 16, 32)):
+    for config, n, w in (("window W=64/replay N=8", 8, 64), ("window W=32/replay N=16", 16, 32)):
         assert runs_first.loc[config, "verify_slots"] == runs_first.loc[config, "verify_forwards"] * n * w
     pairs = {(r["window"], r["gate"]) for r in summary["replay_reductions"]}
-    assert ("window W=64, N=8", "margin<0.05/replay N=8") in pairs
-    assert ("window W=64, per row", "margin<0.05/replay per row") in pairs
-    assert ("window W=64, N=8", "margin<0.05/replay per row") not in pairs  # same N only
+    assert ("window W=64/replay N=8", "margin<0.05/replay N=8") in pairs
+    assert ("window W=64/replay per row", "margin<0.05/replay per row") in pairs
+    assert ("window W=64/replay N=8", "margin<0.05/replay per row") not in pairs  # same N only
     # Per sequence (first repeat): the replay counts add up to the configuration's row.
     sequences = pd.read_parquet(compare_run_dir / "replay_sequences.parquet")
     runs = pd.read_parquet(compare_run_dir / "compare.parquet")
@@ -202,7 +202,7 @@ def test_batch_invariant_baseline_is_exact(compare_run_dir):
         assert group["replayed"].sum() == first.loc[config, "replayed"]
         assert group["rollbacks"].sum() == first.loc[config, "repairs"]
         assert group["replays"].sum() == first.loc[config, "triggers"]
-    assert sequences.loc[sequences["config"] == "window W=64, N=8", "first_divergence"].isna().all()
+    assert sequences.loc[sequences["config"] == "window W=64/replay N=8", "first_divergence"].isna().all()
     assert summary["batch_invariant"]["exact_on_probe"] is True
 
 

@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import reference
@@ -81,6 +82,16 @@ def test_v1_and_v2_sequences_gain_null_solo_margins_on_read(tmp_path):
     back = schema.read_table(tmp_path / "v2.parquet", schema.SEQUENCES_SCHEMA)
     assert back.column("solo_margins").null_count == 6 and schema.schema_read_from(back) == "2"
     assert back.column("solo_ids").equals(upgraded.column("solo_ids"))
+
+
+def test_a_schema_3_verify_sequences_table_gains_null_replay_records(tmp_path):
+    names = [name for name, _ in schema.REPLAY_RECORD_FIELDS]
+    v3_schema = pa.schema([f for f in schema.VERIFY_SEQUENCES_SCHEMA if f.name not in names])
+    v3 = pa.Table.from_pylist([{"policy": "none", "repair": "none", "steps": 4}] * 3, schema=v3_schema)
+    pq.write_table(v3.replace_schema_metadata({schema.SCHEMA_KEY: b"3"}), tmp_path / "v3.parquet")
+    back = schema.read_table(tmp_path / "v3.parquet", schema.VERIFY_SEQUENCES_SCHEMA)
+    assert back.schema.names == schema.VERIFY_SEQUENCES_SCHEMA.names and schema.schema_read_from(back) == "3"
+    assert all(back.column(name).null_count == 3 for name in names)
 
 
 def test_a_run_from_a_newer_release_is_refused_in_one_line(tmp_path):

@@ -209,7 +209,8 @@ def upgrade_v3(table: pa.Table, expected: pa.Schema) -> pa.Table:
     return table
 
 
-UPGRADES = {"1": upgrade_v1, "2": upgrade_v2, "3": upgrade_v3}  # version -> the function that lifts it to the next version
+# version -> the function that lifts it to the next version
+UPGRADES = {"1": upgrade_v1, "2": upgrade_v2, "3": upgrade_v3}
 
 
 def upgrade(table: pa.Table, version: str, expected: pa.Schema) -> pa.Table:

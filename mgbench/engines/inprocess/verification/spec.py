@@ -79,11 +79,14 @@ class PolicySpec:
         if self.kind == "none":
             return "none (start-aligned)" if self.repair == "replay" else "none"
         if self.kind == "window":
-            return f"window W={self.window}, {self.shape}"
-        gate = f"margin<{self.tau:.4g}{'ulp' if self.unit == 'ulp' else ''}" if self.kind == "margin" else self.kind
+            gate = f"window W={self.window}"
+        elif self.kind == "margin":
+            gate = f"margin<{self.tau:.4g}{'ulp' if self.unit == 'ulp' else ''}"
+        else:
+            gate = self.kind
         if self.repair != "replay":
             return f"{gate}/{self.repair}"
-        wait = ", waits" if self.wait else ""
+        wait = " (waits)" if self.wait else ""
         tail = "" if self.end_check else " (no end check)"
         return f"{gate}/replay {self.shape}{wait}{tail}"
 
