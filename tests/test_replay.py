@@ -205,7 +205,7 @@ def test_verify_gates_ci_on_window_and_margin_against_fixed_order_solo(tiny_mode
     assert passed.exit_code == 0, passed.output
     summary = __import__("json").loads(passed.stdout)
     labels = {p["policy"]: p for p in summary["policies"]}
-    assert set(labels) == {"window W=6/replay N=4", "margin<0.5/replay N=4"}
+    assert set(labels) == {"window W=6/replay N=4", "margin<0.5/replay N=4 (waits)"}
     assert all(p["determinism"] == 1.0 for p in labels.values()) and summary["reference"] == "fixed-order solo"
     shown = runner.invoke(app, ["report", str(tmp_path / "ok"), "--out", str(tmp_path / "report")])
     assert shown.exit_code == 0 and "window W=6/replay N=4" in (tmp_path / "report" / "report.md").read_text()
