@@ -87,7 +87,6 @@ def run_free(
     first = torch.stack([decoder.logits.argmax(-1).float(), *margins(decoder.logits)]).tolist()
     verified = 1 if prefill == "alone" else 0
     rows = [Row(len(p), int(t), (m, u), verified) for p, t, m, u in zip(prompts, *first)]
-    timer = DecodeTimer(device)
     with decoder.decoding():
         live = list(range(len(rows)))
         if prefill != "alone":
@@ -96,6 +95,7 @@ def run_free(
             )
             _verify(policy, ctx, rows)
         _finish(policy, rows, eos, max_new_tokens)
+        timer = DecodeTimer(device)  # decode steps only, as before the loops merged: not step 0's verification
         step = 0
         while not all(row.done for row in rows):
             step += 1
