@@ -3,8 +3,6 @@ verified, and what verification did to it (the per-sequence replay records)."""
 
 from __future__ import annotations
 
-import math
-
 
 class Row:
     def __init__(self, prompt_len: int, first: int, margin: tuple[float, float], verified: int):
@@ -61,6 +59,3 @@ class Row:
 
     def finished(self, eos: set[int], max_new_tokens: int) -> bool:
         return self.tokens[-1] in eos or len(self.tokens) >= max_new_tokens
-
-
-NO_MARGIN = (math.nan, math.nan)
