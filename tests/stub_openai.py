@@ -49,6 +49,8 @@ class StubState:
         batch: int = 2,
         delay: float = 3.0,
         short_at: int | None = None,
+        warm_flip: tuple[int, float] | None = None,
+        flip_on_sending: int | None = None,
     ):
         self.mode, self.fail_after, self.models = mode, fail_after, list(models)
         self.flip_when_concurrent, self.llamacpp = flip_when_concurrent, llamacpp
@@ -56,6 +58,14 @@ class StubState:
         # (as another node's server might answer).
         self.shift_at = shift_at
         self.delay, self.short_at = delay, short_at
+        # PLANTED PREFIX-CACHE VARIANCE (`warm_flip` = (step, margin)): a completion that allows the
+        # prompt cache (llama.cpp's cache_prompt) for a prompt already answered that way in this run
+        # finds it cached: its token at `step` moves by one, with a top-1/top-2 margin of `margin`.
+        self.warm_flip, self.cached = warm_flip, set()
+        # PLANTED RUN-TO-RUN VARIANCE (`flip_on_sending` = n): a prompt's n-th full-length completion
+        # of a run (its load's second run, in an audit of the repeat axis alone) flips at step 2, as a
+        # load batched otherwise the second time would.
+        self.flip_on_sending = flip_on_sending
         self.answers: Counter = Counter()  # completions answered per prompt ("unstable")
         self.bodies: list[dict] = []  # every completion request received
         self.completions = 0
@@ -87,11 +97,25 @@ class StubState:
         return True
 
 
+def _warm_flip(state: StubState, body: dict, ids: list[int]) -> tuple[int, float] | None:
+    """(step, margin) of the planted prefix-cache flip where this completion hits the stub's cache."""
+    if state.warm_flip is None or not body.get("cache_prompt") or int(body["max_tokens"]) <= 2:
+        return None
+    with state.lock:
+        hit = tuple(ids) in state.cached
+        state.cached.add(tuple(ids))
+    return state.warm_flip if hit else None
+
+
 def _completion(state: StubState, body: dict, concurrent: bool) -> dict:
     prompt = body["prompt"]
     ids = prompt if isinstance(prompt, list) else [ord(c) for c in prompt]
     varies = state.flip_when_concurrent and concurrent  # the planted batch variance: drift, then a flip
-    flip_at = 2 if varies else None
+    key = (tuple(ids) if isinstance(prompt, list) else prompt, int(body["max_tokens"]))
+    if state.flip_on_sending is not None and state.seen[key] == state.flip_on_sending:
+        varies = True
+    warm = _warm_flip(state, body, ids)
+    flip_at = 2 if varies else warm[0] if warm else None
     tokens = greedy_tokens(ids, int(body["max_tokens"]), flip_at)
     if state.shift_at is not None and state.shift_at < len(tokens):
         tokens[state.shift_at] += 1
@@ -105,6 +129,8 @@ def _completion(state: StubState, body: dict, concurrent: bool) -> dict:
     top = [
         {f"token_id:{t + j}": -0.25 * (j + 1) + (0.125 if varies and j == 1 else 0.0) for j in range(k)} for t in tokens
     ]
+    if warm and warm[0] < len(tokens) and k > 1:  # the cached answer's flipped step: a near-tie of `margin`
+        top[warm[0]] = {f"token_id:{tokens[warm[0]] + j}": -0.25 - warm[1] * j for j in range(k)}
     if state.mode == "text-keys":
         top = [{f"tok{j}": v for j, v in enumerate(entry.values())} for entry in top]
     logprobs = (
@@ -158,6 +184,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/v1/models":
             with self.state.lock:
                 self.state.seen.clear()  # a new run
+                self.state.cached.clear()
         if self.state.mode == "not-openai":
             self._send(404, b"<html><body>Not Found</body></html>", "text/html")
         elif self.path == "/v1/models":

@@ -295,3 +295,55 @@ def served_id(url: str) -> str:
 
     with urllib.request.urlopen(url + "/models", timeout=10) as response:
         return json.load(response)["data"][0]["id"]
+
+
+def rows_by_axis(summary) -> dict:
+    return {row["axis"]: row for row in summary["by_batch_size"]}
+
+
+def test_prefix_cache_axis_catches_a_planted_warm_near_tie_at_its_margin_and_passes_without_it(tmp_path):
+    """Must fail: a llama.cpp-shaped stub whose cached prompt (cache_prompt, second sending) moves
+    the token at step 3 at a planted margin of 0.0625: every request diverges there on the
+    prefix-cache axis, the flip's margin is the planted one, and the batch axis stays clean. Must
+    pass: the same stub without the plant."""
+    with StubServer(StubState(llamacpp=True, warm_flip=(3, 0.0625))) as server:
+        result = flips(server.url, tmp_path / "warm", "--axes", "batch,prefix-cache")
+        bodies = list(server.state.bodies)
+    assert result.exit_code == 0, result.output
+    rows = rows_by_axis(json.loads(result.stdout))
+    assert rows["prefix-cache"]["sequences_diverged"] == 4 and rows["prefix-cache"]["flips"] == 4
+    assert rows["prefix-cache"]["flip_margin_logit_median"] == rows["prefix-cache"]["flip_margin_logit_max"] == 0.0625
+    assert rows["batch"]["sequences_diverged"] == 0
+    sequences = pd.read_parquet(tmp_path / "warm" / "sequences.parquet")
+    warm = sequences[sequences["axis"] == "prefix-cache"]
+    assert (warm["first_divergence"] == 3).all() and (warm["batch_size"] == 1).all()
+    warm_bodies = [b for b in bodies if b.get("cache_prompt")]
+    assert len(warm_bodies) == 2 * 4 and sum(b.get("cache_prompt") is False for b in bodies) == len(bodies) - 8
+
+    with StubServer(StubState(llamacpp=True)) as server:
+        clean = flips(server.url, tmp_path / "cold", "--axes", "batch,prefix-cache", "--require-determinism", "1")
+    assert clean.exit_code == 0, clean.output
+    assert all(r["determinism"] == 1.0 for r in rows_by_axis(json.loads(clean.stdout)).values())
+
+
+def test_repeat_axis_catches_a_load_answered_otherwise_the_second_time_and_passes_without_it(tmp_path):
+    """Must fail: a stub whose answer to a prompt's third full-length sending (the load's second
+    run, after solo and the first run) flips at step 2: every request differs run to run, and the
+    solo reference stays stable. Must pass: the same stub without the plant."""
+    with StubServer(StubState(flip_on_sending=3)) as server:
+        result = flips(server.url, tmp_path / "twice", "--axes", "repeat", "--require-determinism", "1")
+    assert result.exit_code == 1, result.output
+    summary = json.loads(result.stdout)
+    rows = rows_by_axis(summary)
+    assert set(rows) == {"repeat"} and rows["repeat"]["sequences_diverged"] == 4 and rows["repeat"]["flips"] == 4
+    assert summary["solo_repeat"]["deterministic"] is True and "repeat" in result.stderr
+    with StubServer() as server:
+        clean = flips(server.url, tmp_path / "same", "--axes", "repeat", "--require-determinism", "1")
+    assert clean.exit_code == 0 and rows_by_axis(json.loads(clean.stdout))["repeat"]["determinism"] == 1.0
+
+
+def test_axes_an_engine_cannot_vary_are_refused_in_one_line(tmp_path):
+    chunked = flips("http://127.0.0.1:9/v1", tmp_path / "c", "--axes", "chunked-prefill")
+    assert chunked.exit_code == 2 and "--axes chunked-prefill runs in process" in chunked.stderr
+    repeat = runner.invoke(app, ["flips", "--axes", "repeat", "--out", str(tmp_path / "r")])
+    assert repeat.exit_code == 2 and "--axes repeat runs over --endpoint" in repeat.stderr

@@ -46,6 +46,7 @@ def test_gpu_check_without_cuda_says_so_in_one_line_and_exits_2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # every command it runs has tests of its own; 5 minutes of the suite's 10
 def test_gpu_check_quick_on_cpu_runs_every_command(tmp_path):
     out = tmp_path / "check"
     done = run_script(GPU_CHECK, "--device", "cpu", "--quick", "--out", str(out), timeout=3000)

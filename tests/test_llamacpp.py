@@ -53,11 +53,14 @@ def served_model(url: str) -> str:
         return json.load(response)["data"][0]["id"]
 
 
-def bare_completion(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[list[int], list[dict]]:
-    """One greedy completion with plain urllib, prompt cache off: (token ids, top logprobs by id)."""
+def bare_completion(
+    url: str, model: str, prompt: list[int], max_tokens: int, cache: bool = False
+) -> tuple[list[int], list[dict]]:
+    """One greedy completion with plain urllib, prompt cache off unless `cache`: (token ids, top
+    logprobs by id)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": TOP}
     request = urllib.request.Request(
-        url + "/completions", json.dumps({**body, "cache_prompt": False}).encode(), {"Content-Type": "application/json"}
+        url + "/completions", json.dumps({**body, "cache_prompt": cache}).encode(), {"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(request, timeout=600) as response:
         content = json.load(response)["choices"][0]["logprobs"]["content"]
@@ -146,6 +149,36 @@ def test_eight_slots_reported_as_a_bare_client_measures(llamacpp_servers, prompt
     assert manifest["endpoint"]["props"]["total_slots"] == 8
     assert manifest["endpoint"]["server_version"] == manifest["endpoint"]["props"]["build_info"]
     assert summary["engine"].startswith("llama.cpp ") and summary["engine"].endswith(", 8 slots")
+
+
+def test_one_slot_on_the_prefix_cache_and_repeat_axes(llamacpp_servers, prompts, tmp_path):
+    """One slot, cache_prompt on for the warm requests. Must pass, by construction: the same load
+    twice is each request decoded alone twice (the repeat axis, 100% where solo repeats). What a
+    warm prompt cache does is printed and asserted only as agreement: each request's warm answer
+    equals a bare client's second cache_prompt sending of it, token for token and margin for margin."""
+    url = llamacpp_servers["np1"].url
+    summary = audit(url, tmp_path / "axes", "--axes", "batch,prefix-cache,repeat")
+    rows = {row["axis"]: row for row in summary["by_batch_size"]}
+    print(
+        "\n[this machine] llama.cpp -np 1 by axis: "
+        + ", ".join(
+            f"{a} {r['sequences_diverged']}/{r['sequences']} diverged, {r['flips']} flips" for a, r in rows.items()
+        )
+    )
+    assert summary["solo_repeat"]["deterministic"]
+    assert rows["repeat"]["determinism"] == 1.0 and rows["batch"]["determinism"] == 1.0
+    model = served_model(url)
+    sequences = pd.read_parquet(tmp_path / "axes" / "sequences.parquet")
+    warm = sequences[sequences["axis"] == "prefix-cache"]
+    assert len(warm) == 4
+    for row in warm.itertuples():
+        prompt = list(row.prompt_ids)
+        bare_completion(url, model, prompt, 16, cache=True)
+        ids, tops = bare_completion(url, model, prompt, 16, cache=True)
+        assert list(row.batched_ids) == ids
+    steps = pd.read_parquet(tmp_path / "axes" / "steps.parquet")
+    warm_steps = steps[steps["axis"] == "prefix-cache"]
+    assert summary["flips"] == int(steps["flipped"].sum()) and len(warm_steps) > 0
 
 
 def test_report_puts_llamacpp_beside_other_engines(audited, tmp_path):

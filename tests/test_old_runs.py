@@ -94,6 +94,19 @@ def test_a_schema_3_verify_sequences_table_gains_null_replay_records(tmp_path):
     assert all(back.column(name).null_count == 3 for name in names)
 
 
+def test_schema_4_flips_tables_read_as_the_batch_axis(tmp_path):
+    """Schema 5 added the flips tables' `axis`: every earlier run varied the batch alone, so an older
+    table reads as axis "batch" (not null), in place, and its figures group as before."""
+    for name, expected in (("steps", schema.STEPS_SCHEMA), ("sequences", schema.SEQUENCES_SCHEMA)):
+        upgraded = schema.read_table(V1_RUN / f"{name}.parquet", expected)
+        assert upgraded.schema.names == expected.names
+        assert set(upgraded.column("axis").to_pylist()) == {"batch"}
+        v4 = upgraded.drop_columns(["axis"])
+        pq.write_table(v4.replace_schema_metadata({schema.SCHEMA_KEY: b"4"}), tmp_path / f"{name}.parquet")
+        back = schema.read_table(tmp_path / f"{name}.parquet", expected)
+        assert back.column("axis").to_pylist() == ["batch"] * back.num_rows and schema.schema_read_from(back) == "4"
+
+
 def test_a_run_from_a_newer_release_is_refused_in_one_line(tmp_path):
     future = tmp_path / "future"
     shutil.copytree(V1_RUN, future)

@@ -254,3 +254,32 @@ def test_server_killed_mid_run_then_resume_equals_uninterrupted(vllm, audited, t
     # not predicted. Printed: whether the resumed run's batched answers equal the uninterrupted run's.
     batched_equal = sequences["batched_ids"].map(list).tolist() == expected["batched_ids"].map(list).tolist()
     print(f"\n[this machine] vLLM resumed run's batched answers equal the uninterrupted run's: {batched_equal}")
+
+
+def test_prefix_caching_on_audited_on_the_prefix_cache_and_repeat_axes(prompts, tmp_path_factory):
+    """A vLLM server started with its prefix cache on (`serve_vllm_cpu.sh --prefix-caching`),
+    audited on the batch, prefix-cache and repeat axes. What its warm answers do on this machine is
+    printed and asserted only as agreement: each request's warm answer equals a bare client's
+    answer to the same request sent once more (warm as well), token for token."""
+    logs = tmp_path_factory.mktemp("vllm-prefix")
+    server = LocalServer.vllm_cpu(logs / "prefix.log", extra_args=["--prefix-caching"]).start()
+    try:
+        server.wait_ready()
+        out = logs / "axes"
+        result = runner.invoke(
+            app,
+            [*AUDIT, "--endpoint", server.url, "--out", str(out), "--json", "--axes", "batch,prefix-cache,repeat"],
+        )
+        assert result.exit_code == 0, result.output
+        summary = json.loads(result.stdout)
+        rows = {row["axis"]: row for row in summary["by_batch_size"]}
+        figures = [f"{a} {r['sequences_diverged']}/{r['sequences']} diverged" for a, r in rows.items()]
+        print(f"\n[this machine] vLLM, prefix caching on: {', '.join(figures)}; solo twice {summary['solo_repeat']}")
+        assert set(rows) == {"batch", "prefix-cache", "repeat"}
+        model = served_model(server.url)
+        sequences = pd.read_parquet(out / "sequences.parquet")
+        for row in sequences[sequences["axis"] == "prefix-cache"].itertuples():
+            assert list(row.batched_ids) == bare_completion(server.url, model, list(row.prompt_ids), 16)[0]
+        assert len(sequences[sequences["axis"] == "repeat"]) == 4
+    finally:
+        server.stop()

@@ -17,6 +17,7 @@ from mgbench.analysis.step_aggregates import (
     margin_quantiles,
     steps_by_batch_size,
 )
+from mgbench.runs.schema import AXES, DEFAULT_AXIS
 
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
@@ -25,20 +26,48 @@ def _finite(value: float) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
+def with_axis(sequences: pd.DataFrame) -> pd.DataFrame:
+    """Sequences with their `axis` column (a table made without one varied the batch)."""
+    return sequences if "axis" in sequences.columns else sequences.assign(axis=DEFAULT_AXIS)
+
+
 def rates_by_batch_size(steps_per_batch_size: pd.DataFrame, sequences: pd.DataFrame) -> pd.DataFrame:
-    """Per batch size: teacher-forced steps, flips, flip rate, sequences, diverged, determinism.
-    `steps_per_batch_size`: steps and flips, indexed by batch size (step_aggregates.steps_by_batch_size)."""
-    per_seq = sequences.groupby("batch_size").agg(sequences=("identical", "size"), identical=("identical", "sum"))
+    """Per axis and batch size (axes in AXES order): teacher-forced steps, flips, flip rate,
+    sequences, diverged, determinism. `steps_per_batch_size`: steps and flips, indexed by axis and
+    batch size (step_aggregates.steps_by_batch_size)."""
+    per_seq = (
+        with_axis(sequences)
+        .groupby(["axis", "batch_size"])
+        .agg(sequences=("identical", "size"), identical=("identical", "sum"))
+    )
     table = steps_per_batch_size.join(per_seq, how="outer").fillna(0).astype(int)
     table["flip_rate"] = table["flips"] / table["steps"].where(table["steps"] > 0)
     table["sequences_diverged"] = table["sequences"] - table["identical"]
     table["determinism"] = table["identical"] / table["sequences"].where(table["sequences"] > 0)
-    return table.reset_index()
+    table = table.reset_index()
+    order = table["axis"].map(lambda a: AXES.index(a) if a in AXES else len(AXES))
+    return (
+        table.assign(_order=order).sort_values(["_order", "batch_size"]).drop(columns="_order").reset_index(drop=True)
+    )
+
+
+def flip_margins_by_condition(counts: pd.DataFrame) -> dict[tuple[str, int], dict]:
+    """Per (axis, batch size): the median and largest margin at a flip, in logits and ulps (a
+    near-tie is numeric noise; a wide margin, a bug); None where nothing flipped."""
+    figures = {}
+    for (axis, batch_size), part in counts.groupby(["axis", "batch_size"]):
+        row = {}
+        for column, unit in (("margin", "logit"), ("margin_ulp", "ulp")):
+            median, largest = margin_quantiles(part, (0.5, 1.0), column)["flip"]
+            row[f"flip_margin_{unit}_median"], row[f"flip_margin_{unit}_max"] = _finite(median), _finite(largest)
+        figures[(axis, int(batch_size))] = row
+    return figures
 
 
 def batch_pad_lengths(sequences: pd.DataFrame) -> pd.DataFrame:
-    """One row per batch: its size and the pad length of each row, in row order."""
-    ordered = sequences.sort_values(["batch_id", "row"])
+    """One row per batch of the batch axis: its size and the pad length of each row, in row order."""
+    sequences = with_axis(sequences)
+    ordered = sequences[sequences["axis"] == "batch"].sort_values(["batch_id", "row"])
     return ordered.groupby("batch_id").agg(batch_size=("batch_size", "first"), pad_lens=("pad_len", list)).reset_index()
 
 
@@ -105,8 +134,12 @@ def summarize_flips(steps: StepAggregates, sequences: pd.DataFrame) -> dict:
         {"offset": int(r.offset), "flips": int(r.flips), "kv_delta_median": _finite(r.kv_delta_median)}
         for r in steps.kv_before_flips.itertuples()
     ]
+    margins_at_flips = flip_margins_by_condition(steps.margin_counts)
     summary["by_batch_size"] = [
-        {k: (_finite(v) if isinstance(v, float) else int(v)) for k, v in row.items()}
+        {
+            **{k: (v if k == "axis" else _finite(v) if isinstance(v, float) else int(v)) for k, v in row.items()},
+            **margins_at_flips.get((row["axis"], int(row["batch_size"])), {}),
+        }
         for row in rates_by_batch_size(steps_by_batch_size(steps.margin_counts), sequences).to_dict("records")
     ]
     return summary

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from mgbench.analysis.figures import with_axis
 from mgbench.analysis.step_aggregates import SEQUENCE_KEYS, StepAggregates, aggregate
 from mgbench.errors import UserError
 
@@ -175,9 +176,9 @@ def regression(
     result = {"alpha": alpha, "tests": {}}
     if current_steps is not None and baseline_steps is not None:
         result["tests"]["flip_rate"] = paired_flip_test(current_steps, baseline_steps)
-    sequences = current_sequences.assign(diverged=~current_sequences["identical"].astype(bool))
-    base = baseline_sequences.assign(diverged=~baseline_sequences["identical"].astype(bool))
-    keys = group + ["request_id", "batch_size"]
+    sequences = with_axis(current_sequences).assign(diverged=~current_sequences["identical"].astype(bool))
+    base = with_axis(baseline_sequences).assign(diverged=~baseline_sequences["identical"].astype(bool))
+    keys = group + ["request_id", "axis", "batch_size"]
     pairs = _pairs(sequences, base, keys, "diverged", ("first_divergence",))
     result["tests"]["diverged"] = _sign_stats(pairs, "diverged", len(sequences))
     newly = pairs[pairs["diverged"] & ~pairs["diverged_baseline"]].head(5)
@@ -192,13 +193,19 @@ def regression(
     return result
 
 
+def condition_label(row: dict) -> str:
+    """Where a row of a flips summary's by_batch_size measured: "batch size 8", "prefix-cache"."""
+    axis = row.get("axis", "batch")
+    return f"batch size {row['batch_size']}" if axis == "batch" else axis
+
+
 def regression_failures(result: dict) -> list[dict]:
     failures = []
     for name in result["regressed"]:
         test = result["tests"][name]
         what = "flip rate" if name == "flip_rate" else "share of diverged sequences"
         newly = ", ".join(
-            f"request {r['request_id']} (batch size {r['batch_size']}, token {r['first_divergence']})"
+            f"request {r['request_id']} ({condition_label(r)}, token {r['first_divergence']})"
             for r in result["newly_diverged"]
         )
         failures.append(
@@ -295,8 +302,8 @@ def evaluate(
 
     failures = threshold_failures(summary, spec.thresholds, "all batch sizes")
     by_batch_size = summary.get("by_batch_size", []) if steps is not None else []
-    for row in by_batch_size if len(by_batch_size) > 1 else []:  # one batch size: the overall line says it
-        failures += threshold_failures(row, spec.thresholds, f"batch size {row['batch_size']}")
+    for row in by_batch_size if len(by_batch_size) > 1 else []:  # one condition: the overall line says it
+        failures += threshold_failures(row, spec.thresholds, condition_label(row))
     result = {"thresholds": asdict(spec.thresholds)}
     if baseline is not None:
         tested = regression(steps, sequences, baseline.steps, baseline.sequences, spec.alpha, group)

@@ -20,10 +20,10 @@ import pyarrow.compute as pc
 
 from mgbench.errors import UserError
 from mgbench.runs.scan import BatchReader, grouped_count, merged_counts
-from mgbench.runs.schema import STEPS_SCHEMA
+from mgbench.runs.schema import DEFAULT_AXIS, STEPS_SCHEMA
 
-MARGIN_KEYS = ["batch_size", "flipped", "margin", "margin_ulp"]
-SEQUENCE_KEYS = ["request_id", "batch_size"]
+MARGIN_KEYS = ["axis", "batch_size", "flipped", "margin", "margin_ulp"]
+SEQUENCE_KEYS = ["request_id", "axis", "batch_size"]
 KV_WINDOW = 8
 MERGE_EVERY = 16
 _HALF_BITS = 16  # the exact median: a histogram of a float32's top 16 order bits, then of its low 16
@@ -122,6 +122,7 @@ FIRST_PASS = [
     "batch_id",
     "row",
     "step",
+    "axis",
     "batch_size",
     "flipped",
     "margin",
@@ -131,6 +132,14 @@ FIRST_PASS = [
     "method",
     "request_id",
 ]
+
+
+def with_axis(table: pa.Table) -> pa.Table:
+    """A steps table (or a batch of one) with its `axis` column: a table made without one (an
+    analysis of columns picked by hand) varied the batch."""
+    if "axis" in table.schema.names:
+        return table
+    return table.append_column("axis", pa.array([DEFAULT_AXIS] * table.num_rows, pa.string()))
 
 
 def aggregate_steps(read: BatchReader, figures: bool = True, pairs: bool = True) -> StepAggregates:
@@ -147,6 +156,7 @@ def aggregate_steps(read: BatchReader, figures: bool = True, pairs: bool = True)
     for batch in read(columns):
         if not batch.num_rows:
             continue
+        batch = with_axis(batch)
         rows += batch.num_rows
         flipped = _numpy(batch, "flipped").astype(bool)
         flipped_rows = batch.filter(pa.array(flipped))
@@ -293,9 +303,9 @@ def margin_quantiles(counts: pd.DataFrame, quantiles: tuple, column: str) -> dic
 
 
 def steps_by_batch_size(counts: pd.DataFrame) -> pd.DataFrame:
-    """Per batch size: steps and flips (index batch_size)."""
+    """Per axis and batch size: steps and flips (index axis, batch_size)."""
     counts = counts.assign(flips=counts["count"] * counts["flipped"].astype(np.int64))
-    return counts.groupby("batch_size").agg(steps=("count", "sum"), flips=("flips", "sum"))
+    return counts.groupby(["axis", "batch_size"]).agg(steps=("count", "sum"), flips=("flips", "sum"))
 
 
 def flips_count(aggregates: StepAggregates) -> int:

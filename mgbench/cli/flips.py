@@ -39,7 +39,7 @@ from mgbench.cli.options import (
 from mgbench.engines.endpoint.client import EndpointOptions
 from mgbench.errors import UserError
 from mgbench.pipelines.fleet import endpoint_urls, replicas, run_fleet
-from mgbench.runs.options import RunOptions, parse_batch_sizes
+from mgbench.runs.options import RunOptions, check_axes, parse_axes, parse_batch_sizes
 from mgbench.runs.placement import Placement
 
 
@@ -63,6 +63,20 @@ def flips(
     batch_invariant: bool = BatchInvariantOpt,
     kernels: str = KernelsOpt,
     tile_rows: Optional[int] = TileRowsOpt,
+    axes: str = typer.Option(
+        "batch",
+        "--axes",
+        help=(
+            "What to vary against the request alone, comma-separated: batch (it shares a batch), prefix-cache "
+            "(a prefix of its prompt computed earlier and reused; --endpoint: the request sent again, warm), "
+            "chunked-prefill (its prompt prefilled in chunks; in process), repeat (--endpoint: the same "
+            "concurrent load run twice, compared run to run)."
+        ),
+    ),
+    prefix_tokens: Optional[int] = typer.Option(
+        None, "--prefix-tokens", help="prefix-cache axis: tokens cached [default: the prefix all prompts share]."
+    ),
+    chunk_tokens: int = typer.Option(16, "--chunk-tokens", help="chunked-prefill axis: tokens per prefill chunk."),
     require_determinism: Optional[float] = typer.Option(
         None, "--require-determinism", help="Exit 1 when the share of sequences equal to solo is below this (e.g. 1.0)."
     ),
@@ -133,6 +147,10 @@ def flips(
 
         mgbench flips --kernels fixed-order --limit 16 --max-new-tokens 32
 
+        # what a prefix cache and chunked prefill change, beside the batch
+
+        mgbench flips --axes batch,prefix-cache,chunked-prefill --limit 32
+
         # record a baseline, then gate later runs on it
 
         mgbench flips --limit 16 --out runs/base
@@ -147,6 +165,11 @@ def flips(
         mgbench flips --endpoint http://127.0.0.1:8000/v1 --limit 32 \\
             --batch-size 8 --max-new-tokens 64 --label "vLLM eager"
 
+        # the same server warm (prefix cache) and under the same load twice
+
+        mgbench flips --endpoint http://127.0.0.1:8000/v1 --limit 32 \
+            --axes batch,prefix-cache,repeat
+
         # replicas of one model: one run each, then their outputs compared
 
         mgbench flips --endpoint http://node1:8000/v1,http://node2:8000/v1 \\
@@ -157,6 +180,7 @@ def flips(
     with user_errors(debug):
         sizes = parse_batch_sizes(batch_sizes) if batch_sizes else (batch_size,)
         urls = endpoint_urls(endpoint)
+        axes_given = parse_axes(axes)
         endpoint_options = endpoint_flips_options(
             urls[0] if urls else None,
             served_model,
@@ -173,6 +197,8 @@ def flips(
                 "--batch-invariant": batch_invariant and "--batch-invariant",
                 "--kernels": kernels != "stock" and f"--kernels {kernels}",
                 "--shard": shard is not None and "--shard",
+                "--prefix-tokens": prefix_tokens is not None and "--prefix-tokens",
+                "--chunk-tokens": chunk_tokens != 16 and "--chunk-tokens",
             },
         )
         options = RunOptions(
@@ -191,7 +217,11 @@ def flips(
             batch_invariant=batch_invariant,
             kernels=kernels,
             tile_rows=tile_rows,
+            axes=axes_given,
+            prefix_tokens=prefix_tokens,
+            chunk_tokens=chunk_tokens,
         )
+        check_axes(options.axes, endpoint is not None)
         spec = GateSpec(Thresholds(require_determinism, max_flip_rate), baseline, alpha)
         check_output_file(junit, "--junit")
         placement = Placement.resolve(shard, resume, tp_plan, out)
@@ -215,6 +245,8 @@ BLACK_BOX_REASONS = {
     "--batch-invariant": "it patches the in-process model (a server has its own switch, e.g. VLLM_BATCH_INVARIANT=1)",
     "--kernels": "it swaps the in-process model's kernels (a server has its own switch)",
     "--shard": "one client audits a server; several would change the concurrency it sees",
+    "--prefix-tokens": "it sets the in-process prefix-cache axis",
+    "--chunk-tokens": "it sets the in-process chunked-prefill axis",
 }
 
 

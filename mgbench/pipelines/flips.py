@@ -68,6 +68,8 @@ def summarize(run: PreparedRun, steps: StepAggregates, sequences: pd.DataFrame, 
         **fixed_order_figures(group_records),
         "max_new_tokens": run.max_new_tokens,
         "batch_sizes": list(options.batch_sizes),
+        "axes": list(options.axes),
+        **prefill_axes_facts(group_records),
         **figures.summarize_flips(steps, sequences),
         "solo_tokens_per_s": solo_tokens / solo_seconds if solo_seconds > 0 else None,
         "batched_tokens_per_s": sum(tokens.values()) / batched_seconds if batched_seconds > 0 else None,
@@ -77,6 +79,12 @@ def summarize(run: PreparedRun, steps: StepAggregates, sequences: pd.DataFrame, 
         "oom_splits": [split for record in group_records for split in record["oom_splits"]],
         **solo_repeat_summary(group_records),
     }
+
+
+def prefill_axes_facts(group_records: list[dict]) -> dict:
+    """Where a run with prefill axes cut its prompts (the same in every group): {} without them."""
+    cuts = next((record["prefill_axes"] for record in group_records if "prefill_axes" in record), None)
+    return {"prefill_axes": cuts} if cuts else {}
 
 
 def fixed_order_figures(group_records: list[dict]) -> dict:
@@ -166,7 +174,7 @@ def record_with_progress(engine, run, out: Path, writer=None) -> tuple[dict, boo
         f"{name}: solo (batch size 1)",
         f"{name}: {batched}",
         len(run.requests),
-        len(run.options.batch_sizes),
+        run.options.passes_per_request,
         f"{name}: solo again" if run.endpoint is not None else None,
     ) as advance:
         return record_flips(engine, run, out, advance, warn_split, writer)

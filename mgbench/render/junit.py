@@ -51,12 +51,12 @@ def junit_xml(sequences: pd.DataFrame, required: float) -> ET.ElementTree:
 
 def flips_junit(summary: dict) -> ET.ElementTree:
     """One case per batch size with its figures; failing where the gate's thresholds broke there."""
-    from mgbench.analysis.gate import describe_failure
+    from mgbench.analysis.gate import condition_label, describe_failure
 
     gate = summary.get("gate") or {"failures": []}
     cases = []
     for row in summary["by_batch_size"]:
-        label = f"batch size {row['batch_size']}"
+        label = condition_label(row)
         broken = [describe_failure(f) for f in gate["failures"] if f["where"] in (label, "all batch sizes")]
         figures = (
             f"{row['flips']} flips / {row['steps']} steps ({row['flip_rate']:.2%}); "
@@ -66,7 +66,7 @@ def flips_junit(summary: dict) -> ET.ElementTree:
         cases.append(
             Case(
                 f"mgbench.flips.{summary['dataset']}",
-                f"batch_size={row['batch_size']}",
+                f"batch_size={row['batch_size']}" if label.startswith("batch size") else f"axis={label}",
                 "; ".join(broken) or None,
                 figures,
             )

@@ -32,6 +32,31 @@ def run_kind(run: Path) -> str:
     return _read_json(run / "manifest.json").get("command", "unknown")
 
 
+def axes_lines(s: dict) -> list[str]:
+    """A run that varied more than the batch: one row per axis (and batch size), side by side."""
+    from mgbench.analysis.gate import condition_label
+
+    rows = s.get("by_batch_size", [])
+    if all(r.get("axis", "batch") == "batch" for r in rows):
+        return []
+    return ["By axis (each against the request alone, its prompt prefilled in one forward):", ""] + _table(
+        ["axis", "steps", "flips", "flip rate", "sequences", "diverged", "determinism", "flip margin median / max"],
+        [
+            [
+                condition_label(r),
+                r["steps"],
+                r["flips"],
+                _pct(r["flip_rate"]),
+                r["sequences"],
+                r["sequences_diverged"],
+                _pct(r["determinism"]),
+                f"{_num(r.get('flip_margin_logit_median'))} / {_num(r.get('flip_margin_logit_max'))}",
+            ]
+            for r in rows
+        ],
+    )
+
+
 def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
     from mgbench.render import plots
     from mgbench.runs import scan
@@ -74,6 +99,7 @@ def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
         ],
     )
     lines += fixed_order_lines(s)
+    lines += axes_lines(s)
     repeat = s.get("solo_repeat")
     if repeat:
         lines += [

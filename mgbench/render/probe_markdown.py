@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from mgbench.render.md_cells import _num, _pct, _table
+from mgbench.runs.schema import FIXED_ORDER_INVARIANT
 
 
 def reference_text(summary: dict) -> str:
@@ -26,7 +27,7 @@ def fixed_order_lines(summary: dict) -> list[str]:
         f"Fixed-order kernels: attention {plan['attention']}; {modules}; tile size T: "
         f"{plan.get('tile_rows') or 'none needed'}. Determinism is measured against solo "
         f"decoding through the same kernels; that reference equals stock solo output on {stock['identical']} of "
-        f"{stock['requests']} sequences."
+        f"{stock['requests']} sequences. Invariant by construction: {FIXED_ORDER_INVARIANT}."
     ]
     return lines + [f"- fallback: {line}" for line in plan["fallbacks"]] + [""]
 

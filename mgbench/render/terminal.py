@@ -6,6 +6,9 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
+from mgbench.analysis.gate import condition_label
+from mgbench.runs.schema import FIXED_ORDER_INVARIANT
+
 
 def _fmt(value, digits: int = 4) -> str:
     if value is None:
@@ -71,18 +74,22 @@ def render_flips(console: Console, summary: dict, pads: pd.DataFrame) -> None:
         head.add_row(name, str(value))
     console.print(head)
 
-    by_b = Table(title="by batch size")
-    for column in ("batch size", "steps", "flips", "flip rate", "sequences", "diverged", "batched tok/s"):
+    axes = any(row.get("axis", "batch") != "batch" for row in summary["by_batch_size"])
+    by_b = Table(title="by axis: what varied against solo" if axes else "by batch size")
+    columns = ("axis" if axes else "batch size", "steps", "flips", "flip rate", "sequences", "diverged")
+    for column in (*columns, "flip margin med / max", "batched tok/s"):
         by_b.add_column(column, justify="right")
     for row in summary["by_batch_size"]:
+        batch = row.get("axis", "batch") == "batch"
         by_b.add_row(
-            str(row["batch_size"]),
+            condition_label(row) if axes else str(row["batch_size"]),
             str(row["steps"]),
             str(row["flips"]),
             _pct(row["flip_rate"]),
             str(row["sequences"]),
             str(row["sequences_diverged"]),
-            _fmt(summary["batched_tokens_per_s_by_batch_size"].get(str(row["batch_size"]))),
+            f"{_fmt(row.get('flip_margin_logit_median'), 3)} / {_fmt(row.get('flip_margin_logit_max'), 3)}",
+            _fmt(summary["batched_tokens_per_s_by_batch_size"].get(str(row["batch_size"]))) if batch else "-",
         )
     console.print(by_b)
 
@@ -371,6 +378,7 @@ def _fixed_order_rows(fixed: dict | None) -> list[tuple[str, str]]:
     plan, stock = fixed["plan"], fixed.get("stock_solo")
     modules = ", ".join(f"{n} {form}" for form, n in plan["modules"].items()) or "all as is"
     rows = [("fixed-order attention", plan["attention"]), ("fixed-order row-wise modules", modules)]
+    rows.append(("invariant by construction", FIXED_ORDER_INVARIANT))
     rows += [("fixed-order fallback", line) for line in plan["fallbacks"]]
     if stock:
         rows.append(

@@ -35,9 +35,31 @@ PLACEMENT_FIELDS = [
 # so every step is comparable) or "first-divergence" (a black-box endpoint: steps up to and
 # including the first differing token). Columns an endpoint cannot measure are null there.
 METHODS = ("teacher-forced", "first-divergence")
+# What a flips audit varies, request by request, one thing at a time, against the same request
+# decoded alone with its prompt prefilled in one forward (an endpoint: sent alone, cold): the batch
+# it shares (`batch`); a prefix of its prompt computed earlier and reused, as a prefix cache does
+# (`prefix-cache`); its prompt prefilled in chunks, as a chunked-prefill scheduler does
+# (`chunked-prefill`); or, against the first run of the same concurrent load, that load run again
+# (`repeat`, an endpoint's: there the reference is the first run's output).
+AXES = ("batch", "prefix-cache", "chunked-prefill", "repeat")
+PREFILL_AXES = ("prefix-cache", "chunked-prefill")  # in process: decoded alone, from a prefill cut into pieces
+IN_PROCESS_AXES = ("batch", "prefix-cache", "chunked-prefill")
+ENDPOINT_AXES = ("batch", "prefix-cache", "repeat")
+# What the fixed-order kernels promise: every decode step's forward has a fixed per-row reduction
+# order, so the batch axis is invariant by construction. Prompts are still prefilled through the
+# stock attention (alone, as the solo reference prefills them), so a prompt prefilled in pieces
+# (the prefix-cache and chunked-prefill axes) is measured, not promised.
+FIXED_ORDER_INVARIANT = (
+    "the batch axis (decode steps); prefix-cache and chunked-prefill are measured (prefill attention is stock)"
+)
+# The axis of each row of the flips tables: rows that do not say were decoded on the batch axis
+# (the only one before schema 5, and an endpoint's).
+AXIS_FIELD = ("axis", pa.string())
+DEFAULT_AXIS = "batch"
 
 STEP_FIELDS = [
     *PLACEMENT_FIELDS,
+    AXIS_FIELD,
     ("method", pa.string()),
     ("step", pa.int32()),
     ("solo_token", pa.int64()),
@@ -54,6 +76,7 @@ STEP_FIELDS = [
 
 SEQUENCE_FIELDS = [
     *PLACEMENT_FIELDS,
+    AXIS_FIELD,
     ("prompt_len", pa.int32()),
     ("prompt_ids", TOKEN_IDS),
     ("solo_ids", TOKEN_IDS),
@@ -157,18 +180,21 @@ def steps_table(row_columns: list[dict], model: str, dataset: str) -> pa.Table:
     n = sum(len(r["step"]) for r in row_columns)
     columns = {"model": pa.array([model] * n, pa.string()), "dataset": pa.array([dataset] * n, pa.string())}
     for name, kind in STEP_FIELDS[2:]:
-        columns[name] = _column(row_columns, name, kind)
+        if name == "axis":
+            columns[name] = pa.array([r.get("axis", DEFAULT_AXIS) for r in row_columns for _ in r["step"]], kind)
+        else:
+            columns[name] = _column(row_columns, name, kind)
     return pa.Table.from_pydict(columns, schema=STEPS_SCHEMA)
 
 
 def sequences_table(rows: list[dict], model: str, policy: str = "none") -> pa.Table:
-    full = [{"model": model, "policy": policy, **row} for row in rows]
+    full = [{"model": model, "policy": policy, "axis": DEFAULT_AXIS, **row} for row in rows]
     return pa.Table.from_pylist(full, schema=SEQUENCES_SCHEMA)
 
 
 # Every schema version this project has written, oldest first. A table of an older version is
 # upgraded on read, so runs recorded by an earlier release (CI baselines among them) stay usable.
-READABLE_VERSIONS = ("1", "2", "3", SCHEMA_VERSION)
+READABLE_VERSIONS = ("1", "2", "3", "4", SCHEMA_VERSION)
 # The key under which an upgraded table remembers the version it was read from.
 READ_FROM_KEY = b"mgbench.schema_version_read"
 
@@ -209,8 +235,15 @@ def upgrade_v3(table: pa.Table, expected: pa.Schema) -> pa.Table:
     return table
 
 
+def upgrade_v4(table: pa.Table, expected: pa.Schema) -> pa.Table:
+    """Schema 4 -> 5. The flips tables gained `axis`: every earlier run varied the batch alone."""
+    if "axis" in expected.names and "axis" not in table.schema.names:
+        table = _with_column(table, "axis", pa.array([DEFAULT_AXIS] * table.num_rows, pa.string()), expected)
+    return table
+
+
 # version -> the function that lifts it to the next version
-UPGRADES = {"1": upgrade_v1, "2": upgrade_v2, "3": upgrade_v3}
+UPGRADES = {"1": upgrade_v1, "2": upgrade_v2, "3": upgrade_v3, "4": upgrade_v4}
 
 
 def upgrade(table: pa.Table, version: str, expected: pa.Schema) -> pa.Table:

@@ -4,8 +4,11 @@ Groups of requests are the same as the in-process engine's (the largest batch si
 the records each group yields: the flips pipeline commits, resumes and summarises both alike.
 Per group: every request alone, one at a time (the reference); then at each batch size the
 group's requests in concurrent batches released together (or, in needle mode, each request
-among B-1 fillers); then every request alone again. A request whose two solo runs disagree is
-"not deterministic at batch size 1": counted apart and left out of the batch comparison.
+among B-1 fillers); with the prefix-cache axis, each request sent twice more with the server's
+prompt cache allowed (the second is warm); with the repeat axis, the group's requests as one load
+(arrivals staggered) sent twice, the second compared with the first; then every request alone
+again. A request whose two solo runs disagree is "not deterministic at batch size 1": counted
+apart and left out of the comparisons with solo.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from mgbench.analysis.divergence import (
     step_margins,
 )
 from mgbench.assets.needle import batch_layouts
-from mgbench.engines.endpoint.client import EndpointClient, release_together
+from mgbench.engines.endpoint.client import EndpointClient, release_staggered, release_together
 from mgbench.engines.interface import AuditRecords
 from mgbench.runs.groups import batch_id_base
 
 NO_PAD = None  # a server's padding (if any) is not visible through its API: null in the tables
+REPEAT_GAP_S = 0.02  # the repeat axis's arrivals, 20 ms apart: the order decides what the server batches
 
 
 class SoloRepeat:
@@ -57,8 +61,19 @@ class SoloRepeat:
 
 
 def _append(
-    records: AuditRecords, request, prompt, dataset, batch_id, row, batch_size, solo: Decoded, batched: Decoded
+    records: AuditRecords,
+    request,
+    prompt,
+    dataset,
+    batch_id,
+    row,
+    batch_size,
+    solo: Decoded,
+    batched: Decoded,
+    axis: str,
 ) -> None:
+    """One perturbed answer against its reference (`solo`: the request alone; the repeat axis: the
+    load's first run) as step and sequence rows."""
     columns = first_divergence_columns(solo, batched)
     steps = len(columns["step"])
     records.steps.append(
@@ -68,6 +83,7 @@ def _append(
             "row": [row] * steps,
             "batch_size": [batch_size] * steps,
             "pad_len": NO_PAD,
+            "axis": axis,
             **columns,
         }
     )
@@ -80,6 +96,7 @@ def _append(
             "row": row,
             "batch_size": batch_size,
             "pad_len": NO_PAD,
+            "axis": axis,
             "prompt_len": len(prompt),
             "prompt_ids": prompt,
             "solo_ids": solo.token_ids,
@@ -103,6 +120,28 @@ async def _solo_pass(client: EndpointClient, members, prompts, texts, max_new_to
     return results, tokens, seconds
 
 
+async def _prefix_cache_pass(client: EndpointClient, members, prompts, texts, max_new_tokens, on_progress):
+    """Each request sent twice in a row with the server's prompt cache allowed: the first fills the
+    cache (reusing what earlier requests with the same prefix left there), the second finds its
+    whole prompt cached. The second, warm answers by request index."""
+    warm = {}
+    for i in members:
+        await client.complete(prompts[i], texts[i], max_new_tokens, warm=True)
+        warm[i] = await client.complete(prompts[i], texts[i], max_new_tokens, warm=True)
+        on_progress("batched", 1)
+    return warm
+
+
+async def _repeat_pass(client: EndpointClient, members, prompts, texts, max_new_tokens, on_progress):
+    """The same concurrent load sent twice, arrivals staggered: (first run's answers, second run's)."""
+    runs = []
+    for _ in range(2):
+        calls = [lambda i=i: client.complete(prompts[i], texts[i], max_new_tokens) for i in members]
+        runs.append(await release_staggered(calls, REPEAT_GAP_S))
+        on_progress("batched", len(members))
+    return runs
+
+
 async def audit_group(
     client: EndpointClient,
     index: int,
@@ -113,15 +152,16 @@ async def audit_group(
     fillers: list[tuple[list[int], str]],
     on_progress,
 ) -> AuditRecords:
-    """Records of one group: solo, batched at every size, solo again (see the module doc)."""
+    """Records of one group: solo, each axis (batched at every size, warm, the load twice), solo
+    again (see the module doc)."""
     options = run.options
     records = AuditRecords()
     solos, records.solo_tokens, records.solo_seconds = await _solo_pass(
         client, group, prompts, texts, run.max_new_tokens, on_progress, "solo"
     )
-    batch_id = batch_id_base(index, max(options.batch_sizes), len(options.batch_sizes))
-    batched_results = []
-    for batch_size in options.batch_sizes:
+    batch_id = batch_id_base(index, max(options.batch_sizes), options.passes_per_request)
+    perturbed = []  # (axis, request index, batch id, row, batch size, answer), each against its solo answer
+    for batch_size in options.batch_sizes if "batch" in options.axes else ():
         for members, rows, batch in batch_layouts(
             group, batch_size, run.endpoint.needle, run.requests, len(fillers), options.seed
         ):
@@ -134,14 +174,30 @@ async def audit_group(
             size = len(batch)
             records.batched_tokens[size] = records.batched_tokens.get(size, 0) + sum(len(a.token_ids) for a in answers)
             records.batched_seconds[size] = records.batched_seconds.get(size, 0.0) + seconds
-            batched_results += [(i, batch_id, row, size, answers[row]) for i, row in zip(members, rows)]
+            perturbed += [("batch", i, batch_id, row, size, answers[row]) for i, row in zip(members, rows)]
             batch_id += 1
             on_progress("batched", len(members))
+    if "prefix-cache" in options.axes:
+        warm = await _prefix_cache_pass(client, group, prompts, texts, run.max_new_tokens, on_progress)
+        for i in group:
+            perturbed.append(("prefix-cache", i, batch_id, 0, 1, warm[i]))
+            batch_id += 1
+    repeats = []  # (request index, batch id, row, load size, first run's answer, second run's)
+    if "repeat" in options.axes:
+        size = max(options.batch_sizes)
+        for start in range(0, len(group), size):
+            members = group[start : start + size]
+            first, second = await _repeat_pass(client, members, prompts, texts, run.max_new_tokens, on_progress)
+            repeats += [(i, batch_id, row, len(members), first[row], second[row]) for row, i in enumerate(members)]
+            batch_id += 2
     again, _, _ = await _solo_pass(client, group, prompts, texts, run.max_new_tokens, on_progress, "solo-repeat")
     repeat = SoloRepeat()
     stable = {i for i in group if repeat.add(run.requests[i].request_id, solos[i], again[i])}
-    for i, batch_id, row, size, answer in batched_results:
+    name = run.config.name
+    for axis, i, batch_id, row, size, answer in perturbed:
         if i in stable:  # an unstable reference would count the server's own nondeterminism as flips
-            _append(records, run.requests[i], prompts[i], run.config.name, batch_id, row, size, solos[i], answer)
+            _append(records, run.requests[i], prompts[i], name, batch_id, row, size, solos[i], answer, axis)
+    for i, batch_id, row, size, first, second in repeats:  # against the load's first run, not solo
+        _append(records, run.requests[i], prompts[i], name, batch_id, row, size, first, second, "repeat")
     records.extra["solo_repeat"] = repeat.to_dict()
     return records

@@ -231,7 +231,7 @@ class EndpointClient:
 
     # -- completions -------------------------------------------------------------------------------
 
-    def _body(self, info: ServerInfo, prompt, max_tokens: int) -> dict:
+    def _body(self, info: ServerInfo, prompt, max_tokens: int, warm: bool = False) -> dict:
         return {
             "model": info.served_model,
             "prompt": prompt,
@@ -242,15 +242,18 @@ class EndpointClient:
             # vLLM: the emitted ids, and top logprobs keyed by id (ids that decode alike do not collapse).
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
-            # llama.cpp: compute every prompt again (a cached prefix would make "solo twice" trivial).
-            **({"cache_prompt": False} if info.takes_cache_prompt else {}),
+            # llama.cpp: compute every prompt again (a cached prefix would make "solo twice" trivial),
+            # except a `warm` request of the prefix-cache axis, which reuses the cached prompt.
+            **({"cache_prompt": warm} if info.takes_cache_prompt else {}),
         }
 
-    async def complete(self, prompt_ids: list[int], prompt_text: str, max_tokens: int) -> Decoded:
+    async def complete(self, prompt_ids: list[int], prompt_text: str, max_tokens: int, warm: bool = False) -> Decoded:
+        """One greedy completion; `warm`: the server may reuse its cached prompt prefix (llama.cpp's
+        cache_prompt; vLLM and SGLang cache by their own launch flags, whatever the request says)."""
         info = self.info
         prompt = prompt_ids if info.prompt_format == "token-ids" else prompt_text
         response = await self._request(
-            "POST", "/completions", "a completion", json=self._body(info, prompt, max_tokens)
+            "POST", "/completions", "a completion", json=self._body(info, prompt, max_tokens, warm)
         )
         return self._parse(response, "a completion", info)
 
@@ -333,6 +336,25 @@ def _content_entries(content: list, what: str, url: str) -> tuple[list[int], lis
             f"{what}: {url} returned logprobs.content entries without token ids (id, top_logprobs[].id)"
         ) from None
     return ids, tops
+
+
+async def release_staggered(calls: list[Callable[[], Awaitable]], gap: float) -> list:
+    """Run the calls concurrently, call i released `i * gap` seconds after the first (arrival order
+    then decides what the server batches together, as under real load); results in order. The
+    first failure cancels the rest."""
+
+    async def one(index, call):
+        await asyncio.sleep(index * gap)
+        return await call()
+
+    tasks = [asyncio.ensure_future(one(index, call)) for index, call in enumerate(calls)]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def release_together(calls: list[Callable[[], Awaitable]]) -> tuple[list, float]:

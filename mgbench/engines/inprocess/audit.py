@@ -2,7 +2,9 @@
 
 For each group of requests (the largest batch size), every request is decoded alone once;
 then for each batch size the group is split into batches that run teacher-forced (flips,
-margins, K/V perturbation) and free-running (sequence-level determinism). Records come out one
+margins, K/V perturbation) and free-running (sequence-level determinism). Each prefill axis
+(prefix-cache, chunked-prefill) then decodes every request alone again, teacher-forced and
+free-running, from its prompt prefilled in pieces: the same records, tagged with their axis. Records come out one
 group at a time (the unit that is committed, resumed and sharded), so memory stays bounded by
 one group.
 """
@@ -18,9 +20,11 @@ from mgbench.analysis.divergence import first_divergence
 from mgbench.assets.datasets import Request
 from mgbench.engines.inprocess.kernels.batch_invariant import InvariancePlan, decoding_mode
 from mgbench.engines.inprocess.kernels.sets import STOCK, Kernels
+from mgbench.engines.inprocess.prefill_axes import cut_points, prefill_cut, prefix_tokens
 from mgbench.engines.inprocess.runners import run_solo, run_teacher_forced
 from mgbench.engines.inprocess.verification.loop import run_free
 from mgbench.engines.interface import AuditRecords
+from mgbench.errors import UserError
 from mgbench.runs.groups import ProgressFn, batch_id_base, wanted_groups
 from mgbench.runs.oom import SplitFn, recording_splits, run_splitting_on_oom
 from mgbench.runs.options import RunOptions
@@ -95,8 +99,12 @@ def audit_groups(
     (the probe's plan) and its fixed-order vs stock solo agreement."""
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
+    prefix = prefix_tokens(options, prompts)  # of the whole run's prompts: the same K in every group
+    if "prefix-cache" in options.axes and prefix < 1:
+        raise UserError("the prompts share no prefix for the prefix-cache axis to cache: give --prefix-tokens K")
     groups = wanted_groups(prompts, options, wanted, on_progress)
     group_size = max(options.batch_sizes)
+    batch_sizes = options.batch_sizes if "batch" in options.axes else ()
 
     def run_batch(members):
         batch_prompts = [tensors[i] for i in members]
@@ -125,48 +133,73 @@ def audit_groups(
                 )
         return forced, free
 
+    def run_cut(request: int, axis: str):
+        """One request alone, from its prompt prefilled in pieces where `axis` cuts it."""
+        prompt = tensors[request]
+        with kernels.active(model):
+            cut = prefill_cut(model, prompt, cut_points(axis, len(prompt), prefix, options.chunk_tokens))
+            forced = run_teacher_forced(
+                model, [prompt], [solos.get(request)], "alone", pad_id, max_new_tokens, eos_ids, kernels, prefills=[cut]
+            )
+            free = run_free(model, [prompt], [cut], "alone", pad_id, max_new_tokens, eos_ids, kernels=kernels)
+        return forced, free
+
     with torch.inference_mode():
         for index, group in groups:
             tensors = {i: torch.tensor(prompts[i], dtype=torch.long, device=device) for i in group}
             solos: dict = {}  # request -> its solo result, from its first batch on
             records = AuditRecords()
-            batch_id = batch_id_base(index, group_size, len(options.batch_sizes))
+            batch_id = batch_id_base(index, group_size, options.passes_per_request)
             split = recording_splits(records.oom_splits, on_split)
 
-            for batch_size in options.batch_sizes:
+            def record(members, forced, free, axis: str = "batch"):
+                nonlocal batch_id
+                fresh = [i for i in members if i not in solos]
+                solos.update(zip(members, forced.solos))
+                if fresh:  # this batch decoded its requests' solo references
+                    records.solo_tokens += sum(len(solos[i].tokens) - 1 for i in fresh)
+                    records.solo_seconds += forced.solo_seconds
+                    on_progress("solo", len(fresh))
+                ran = len(members)
+                if axis == "batch":  # throughput by batch size: the batch axis's alone
+                    records.batched_tokens[ran] = records.batched_tokens.get(ran, 0) + sum(
+                        len(t) - 1 for t in free.tokens
+                    )
+                    records.batched_seconds[ran] = records.batched_seconds.get(ran, 0.0) + free.decode_seconds
+                for row, i in enumerate(members):
+                    _append_rows(
+                        records,
+                        requests[i],
+                        prompts[i],
+                        dataset,
+                        batch_id,
+                        row,
+                        ran,
+                        forced.pad_lens[row],
+                        forced.rows[row],
+                        solos[i],
+                        free.tokens[row],
+                        free.triggered[row],
+                        free.repaired[row],
+                        axis,
+                    )
+                batch_id += 1
+                on_progress("batched", ran)
+
+            for batch_size in batch_sizes:
                 for start in range(0, len(group), batch_size):
                     for members, (forced, free) in run_splitting_on_oom(
                         group[start : start + batch_size], run_batch, split
                     ):
-                        fresh = [i for i in members if i not in solos]
-                        solos.update(zip(members, forced.solos))
-                        if fresh:  # this batch decoded its requests' solo references
-                            records.solo_tokens += sum(len(solos[i].tokens) - 1 for i in fresh)
-                            records.solo_seconds += forced.solo_seconds
-                            on_progress("solo", len(fresh))
-                        ran = len(members)
-                        records.batched_tokens[ran] = records.batched_tokens.get(ran, 0) + sum(
-                            len(t) - 1 for t in free.tokens
-                        )
-                        records.batched_seconds[ran] = records.batched_seconds.get(ran, 0.0) + free.decode_seconds
-                        for row, i in enumerate(members):
-                            _append_rows(
-                                records,
-                                requests[i],
-                                prompts[i],
-                                dataset,
-                                batch_id,
-                                row,
-                                ran,
-                                forced.pad_lens[row],
-                                forced.rows[row],
-                                solos[i],
-                                free.tokens[row],
-                                free.triggered[row],
-                                free.repaired[row],
-                            )
-                        batch_id += 1
-                        on_progress("batched", ran)
+                        record(members, forced, free)
+            for axis in options.prefill_axes:
+                for i in group:
+                    record([i], *alone_or_stop(lambda i=i, axis=axis: run_cut(i, axis)), axis=axis)
+            if options.prefill_axes:
+                records.extra["prefill_axes"] = {
+                    **({"prefix_tokens": prefix} if "prefix-cache" in options.axes else {}),
+                    **({"chunk_tokens": options.chunk_tokens} if "chunked-prefill" in options.axes else {}),
+                }
             if kernels.fixed_order:
                 records.extra["fixed_order"] = {
                     **(kernel_facts or {}),
@@ -198,6 +231,7 @@ def _append_rows(
     batched_ids,
     triggered,
     repaired,
+    axis: str,
 ) -> None:
     steps = len(forced_row["flipped"])
     records.steps.append(
@@ -207,6 +241,7 @@ def _append_rows(
             "row": np.full(steps, row, dtype=np.int32),
             "batch_size": np.full(steps, batch_size, dtype=np.int32),
             "pad_len": np.full(steps, pad_len, dtype=np.int32),
+            "axis": axis,  # one per row: steps_table repeats it over the steps
             "method": np.full(steps, "teacher-forced"),
             "step": np.arange(steps, dtype=np.int32),
             **forced_row,
@@ -222,6 +257,7 @@ def _append_rows(
             "row": row,
             "batch_size": batch_size,
             "pad_len": pad_len,
+            "axis": axis,
             "prompt_len": len(prompt),
             "prompt_ids": prompt,
             "solo_ids": solo_ids,

@@ -39,6 +39,20 @@ def prefill_alone(model, prompt_ids: torch.Tensor) -> tuple[torch.Tensor, object
     return logits[0], cache
 
 
+def prefill_in_pieces(model, prompt_ids: torch.Tensor, cuts: list[int]) -> tuple[torch.Tensor, object]:
+    """Prefill one unpadded prompt at batch size 1 in pieces cut at `cuts` (ascending, inside the
+    prompt), each piece a forward over the cache the earlier ones left, as a prefix-cache hit or a
+    chunked-prefill scheduler computes it: (logits [vocab] of the last position, cache)."""
+    ids = prompt_ids.view(1, -1)
+    cache = cache_from_layers([], model.config)
+    bounds = [0, *cuts, ids.shape[1]]
+    for start, end in zip(bounds, bounds[1:]):
+        positions = torch.arange(start, end, device=ids.device).view(1, -1)
+        mask = torch.ones((1, end), dtype=torch.long, device=ids.device)
+        logits = forward_last_logits(model, ids[:, start:end], mask, positions, cache)
+    return logits[0], cache
+
+
 def left_padded_batch(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """(input_ids, attention_mask, pad_lens) for left-padded prompts."""
     total = max(len(p) for p in prompts)

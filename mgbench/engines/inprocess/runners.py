@@ -114,6 +114,7 @@ def run_teacher_forced(
     eos_ids: set[int] = frozenset(),
     kernels: Kernels = STOCK,
     batch_mode=nullcontext,
+    prefills: list[RowPrefill] | None = None,
 ) -> TeacherForcedResult:
     """Batched decoding fed the solo token at every step, so prefixes stay identical.
 
@@ -123,7 +124,8 @@ def run_teacher_forced(
     same computation, so the same logits); a row without one decodes greedily and returns its
     result (`max_new_tokens` then bounds it; by default the known results' longest length).
     `batch_mode()` is entered around the batch's forwards only (the batch-invariant mode must not
-    touch the solo lanes)."""
+    touch the solo lanes). `prefills`: the batch's own row prefills (a prefill axis's, cut into
+    pieces), instead of the solo lanes' (with --prefill alone)."""
     device = prompts[0].device
     if max_new_tokens is None:
         max_new_tokens = max(len(s.tokens) for s in solos)
@@ -132,7 +134,8 @@ def run_teacher_forced(
     ]
     known = [None if s is None else s.tokens.tolist() for s in solos]
     with batch_mode():
-        decoder = kernels.batch(model, prompts, [lane.prefill for lane in lanes], prefill, pad_id, max_new_tokens)
+        own = prefills or [lane.prefill for lane in lanes]
+        decoder = kernels.batch(model, prompts, own, prefill, pad_id, max_new_tokens)
     prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
     solo_logits = torch.stack([lane.logits[0] for lane in lanes])
     per_step, summaries = StepColumns(max_new_tokens), StepColumns(max_new_tokens)
