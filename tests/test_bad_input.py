@@ -365,3 +365,41 @@ def test_compare_under_torchrun_without_tensor_parallelism(tmp_path, monkeypatch
     for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     assert_bad(tmp_path, ["compare", *FAST["compare"], "--out", str(tmp_path / "o")], "compare times one process")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["flips", "--batch-size", "abc"], "Invalid value for '--batch-size'"),
+        (["verify", "--no-such-option"], "No such option: --no-such-option"),
+        (["compare", "--repeats"], "Option '--repeats' requires an argument"),
+        (["no-such-command"], "No such command 'no-such-command'"),
+        (["diff"], "Missing argument"),
+    ],
+)
+def test_usage_errors_of_the_parser_are_one_line_too(tmp_path, args, message):
+    result = assert_bad(tmp_path, args, message)
+    assert result.stderr.startswith("error: ") and "--help" in result.stderr
+
+
+def test_version_names_the_code_and_its_torch():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    line = result.stdout.strip()
+    assert line.startswith("mgbench ") and ", torch " in line and ", transformers " in line and "\n" not in line
+
+
+def test_help_fits_80_columns_with_nothing_cut(monkeypatch):
+    """Every command's --help in an 80-column terminal: no option name, default or example cut
+    with "…" (rich's panels cut them), and the command list gives each summary whole."""
+    from typer.main import get_command
+
+    monkeypatch.setenv("COLUMNS", "80")
+    group = get_command(app)
+    for call in [[], *([name] for name in sorted(group.commands))]:
+        result = runner.invoke(app, [*call, "--help"], terminal_width=80)
+        assert result.exit_code == 0 and "…" not in result.stdout, (call, result.stdout)
+        assert max(len(line) for line in result.stdout.splitlines() if not line.startswith("      ")) <= 80
+    listed = " ".join(runner.invoke(app, ["--help"], terminal_width=80).stdout.split())
+    for command in group.commands.values():
+        assert " ".join(command.short_help.split()) in listed

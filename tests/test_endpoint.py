@@ -2,6 +2,7 @@
 OpenAI server in a thread (tests/stub_openai.py). The real vLLM server is tests/test_vllm.py."""
 
 import json
+from collections import Counter
 
 import pandas as pd
 import pytest
@@ -324,6 +325,19 @@ def test_prefix_cache_axis_catches_a_planted_warm_near_tie_at_its_margin_and_pas
         clean = flips(server.url, tmp_path / "cold", "--axes", "batch,prefix-cache", "--require-determinism", "1")
     assert clean.exit_code == 0, clean.output
     assert all(r["determinism"] == 1.0 for r in rows_by_axis(json.loads(clean.stdout)).values())
+
+
+def test_prefix_cache_axis_salts_a_server_that_caches_by_its_launch_flag(tmp_path):
+    """vLLM caches whatever a request says: on the prefix-cache axis every cold request carries a
+    cache_salt of its own (it cannot hit what others cached) and each warm pair shares one."""
+    with StubServer() as server:
+        result = flips(server.url, tmp_path / "salted", "--axes", "batch,prefix-cache")
+        bodies = [b for b in server.state.bodies if int(b["max_tokens"]) > 2]
+    assert result.exit_code == 0, result.output
+    salts = Counter(b["cache_salt"] for b in bodies)
+    warm = [salt for salt, n in salts.items() if n > 1]
+    assert len(warm) == 4 and all(salts[salt] == 2 for salt in warm) and len(salts) == len(bodies) - 4
+    assert all("cache_prompt" not in b for b in bodies)
 
 
 def test_repeat_axis_catches_a_load_answered_otherwise_the_second_time_and_passes_without_it(tmp_path):

@@ -194,9 +194,17 @@ def regression(
 
 
 def condition_label(row: dict) -> str:
-    """Where a row of a flips summary's by_batch_size measured: "batch size 8", "prefix-cache"."""
+    """Where a row of a flips summary's by_batch_size measured: "batch size 8", "prefix-cache",
+    "repeat (load 8)" (a repeat row per load size: a short last group makes a smaller load)."""
     axis = row.get("axis", "batch")
-    return f"batch size {row['batch_size']}" if axis == "batch" else axis
+    if axis == "batch":
+        return f"batch size {row['batch_size']}"
+    return f"{axis} (load {row['batch_size']})" if axis == "repeat" else axis
+
+
+def overall_label(summary: dict) -> str:
+    """Where the overall figures of a flips summary measured."""
+    return "all batch sizes" if summary.get("axes", ["batch"]) == ["batch"] else "all axes"
 
 
 def regression_failures(result: dict) -> list[dict]:
@@ -255,16 +263,28 @@ def load_baseline(path: Path, command: str) -> Baseline:
     return Baseline(path, manifest, summary, steps, sequences.to_pandas(), schema.schema_read_from(sequences))
 
 
+# What a flips run recorded before schema 5 varied, as its options would say it.
+AXIS_IDENTITY = {"axes": ["batch"], "prefix_tokens": None, "chunk_tokens": 16}
+
+
 def run_identity(options: dict, request_ids: list[int], extra: dict | None = None) -> dict:
     """What must be equal for two runs to be compared step by step."""
     keys = ("model", "dataset", "max_new_tokens", "batch_sizes", "prefill", "batch_invariant")
-    return {**{k: options.get(k) for k in keys}, "requests": sorted(request_ids), **(extra or {})}
+    identity = {**{k: options.get(k) for k in keys}, "requests": sorted(request_ids), **(extra or {})}
+    if "axes" in options:  # a flips run: where its prefill axes cut the prompts is part of what it measured
+        identity.update({k: options.get(k) for k in AXIS_IDENTITY})
+    return identity
 
 
 def check_baseline(baseline: Baseline, identity: dict) -> None:
     import json
 
-    options = {"batch_invariant": False, "engine": "in-process", **baseline.manifest.get("options", {})}
+    options = {
+        "batch_invariant": False,
+        "engine": "in-process",
+        **AXIS_IDENTITY,  # a run recorded before the axes varied the batch alone
+        **baseline.manifest.get("options", {}),
+    }
     recorded = {key: options.get(key) for key in identity}
     recorded["requests"] = sorted(int(r) for r in baseline.sequences["request_id"].unique())
     from mgbench.runs.parts import differences
@@ -300,7 +320,7 @@ def evaluate(
     baseline regression test. `failures` lists what broke and by how much."""
     from dataclasses import asdict
 
-    failures = threshold_failures(summary, spec.thresholds, "all batch sizes")
+    failures = threshold_failures(summary, spec.thresholds, overall_label(summary))
     by_batch_size = summary.get("by_batch_size", []) if steps is not None else []
     for row in by_batch_size if len(by_batch_size) > 1 else []:  # one condition: the overall line says it
         failures += threshold_failures(row, spec.thresholds, condition_label(row))

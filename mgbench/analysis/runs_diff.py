@@ -103,6 +103,9 @@ def load_run(path: Path, name: str, mode: str) -> RecordedRun:
         raise UserError(f"{path} is a {command} run: diff reads the outputs of flips or verify runs")
     table = rundir.read_run_table(path, "sequences", expected)
     frame = table.to_pandas()
+    frame = frame.assign(axis=frame["axis"] if "axis" in frame else "batch")
+    if mode == SOLO:  # a repeat row's reference is its load's first run, not the request alone
+        frame = frame[frame["axis"] != "repeat"]
     has_prompt_ids = "prompt_ids" in frame
     ids = frame["solo_ids"] if mode == SOLO else frame["batched_ids"]
     margins = frame["solo_margins"] if mode == SOLO and "solo_margins" in frame else pd.Series(None, index=frame.index)
@@ -113,6 +116,7 @@ def load_run(path: Path, name: str, mode: str) -> RecordedRun:
             "prompt": frame["prompt_ids"].map(prompt_key) if has_prompt_ids else None,
             "prompt_len": frame["prompt_len"].astype("Int64"),
             "batch_size": frame["batch_size"].astype("Int64") if mode == BATCHED else pd.NA,
+            "axis": frame["axis"].astype(object) if mode == BATCHED else None,
             "variant": _variant(frame) if mode == BATCHED else None,
             "ids": ids.map(lambda v: [] if v is None else [int(t) for t in v]),
             "margins": margins,
@@ -195,7 +199,7 @@ def check_same_model(runs: list[RecordedRun]) -> str:
 def pair_key(a: RecordedRun, b: RecordedRun, mode: str) -> tuple[str, list[str]]:
     paired_by = PROMPT_IDS if a.has_prompt_ids and b.has_prompt_ids else REQUEST_IDS
     columns = ["prompt"] if paired_by == PROMPT_IDS else ["dataset", "request_id"]
-    return paired_by, columns + (["batch_size", "variant"] if mode == BATCHED else [])
+    return paired_by, columns + (["axis", "batch_size", "variant"] if mode == BATCHED else [])
 
 
 def diff_pair(a: RecordedRun, b: RecordedRun, mode: str) -> tuple[list[dict], dict]:

@@ -167,7 +167,7 @@ def flips(
 
         # the same server warm (prefix cache) and under the same load twice
 
-        mgbench flips --endpoint http://127.0.0.1:8000/v1 --limit 32 \
+        mgbench flips --endpoint http://127.0.0.1:8000/v1 --limit 32 \\
             --axes batch,prefix-cache,repeat
 
         # replicas of one model: one run each, then their outputs compared
@@ -200,6 +200,7 @@ def flips(
                 "--prefix-tokens": prefix_tokens is not None and "--prefix-tokens",
                 "--chunk-tokens": chunk_tokens != 16 and "--chunk-tokens",
             },
+            salted="prefix-cache" in axes_given,
         )
         options = RunOptions(
             model=model,
@@ -250,7 +251,9 @@ BLACK_BOX_REASONS = {
 }
 
 
-def endpoint_flips_options(endpoint, served_model, top_logprobs, request_timeout, needle, label, in_process: dict):
+def endpoint_flips_options(
+    endpoint, served_model, top_logprobs, request_timeout, needle, label, in_process: dict, salted: bool = False
+):
     """EndpointOptions for --endpoint (None without it); the in-process options given
     (`in_process`: option -> the text given, or False) refused with the reason."""
     if endpoint is None:
@@ -277,5 +280,6 @@ def endpoint_flips_options(endpoint, served_model, top_logprobs, request_timeout
         served_model,
         needle=needle,
         label=label,
+        salted=salted,
         **{name: value for name, value in given.items() if value is not None},
     )

@@ -51,13 +51,13 @@ def junit_xml(sequences: pd.DataFrame, required: float) -> ET.ElementTree:
 
 def flips_junit(summary: dict) -> ET.ElementTree:
     """One case per batch size with its figures; failing where the gate's thresholds broke there."""
-    from mgbench.analysis.gate import condition_label, describe_failure
+    from mgbench.analysis.gate import condition_label, describe_failure, overall_label
 
     gate = summary.get("gate") or {"failures": []}
     cases = []
     for row in summary["by_batch_size"]:
         label = condition_label(row)
-        broken = [describe_failure(f) for f in gate["failures"] if f["where"] in (label, "all batch sizes")]
+        broken = [describe_failure(f) for f in gate["failures"] if f["where"] in (label, overall_label(summary))]
         figures = (
             f"{row['flips']} flips / {row['steps']} steps ({row['flip_rate']:.2%}); "
             f"{row['sequences_diverged']}/{row['sequences']} sequences diverged "

@@ -39,7 +39,8 @@ def axes_lines(s: dict) -> list[str]:
     rows = s.get("by_batch_size", [])
     if all(r.get("axis", "batch") == "batch" for r in rows):
         return []
-    return ["By axis (each against the request alone, its prompt prefilled in one forward):", ""] + _table(
+    head = "By axis (each against the request alone and cold; repeat against its load's first run):"
+    return [head, ""] + _table(
         ["axis", "steps", "flips", "flip rate", "sequences", "diverged", "determinism", "flip margin median / max"],
         [
             [
@@ -107,7 +108,7 @@ def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
             f"differ, {repeat['logprob_steps_differing']} of {repeat['steps']} steps' logprobs differ "
             f"(max {_num(repeat['max_logprob_drift'])})"
             + (
-                ": not deterministic at batch size 1, those requests are left out."
+                ": not deterministic at batch size 1, those requests are left out of the comparisons with solo."
                 if repeat["requests_differing"]
                 else "."
             ),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mgbench.errors import UserError
@@ -63,11 +64,12 @@ def file_schemas(files: list[Path]) -> dict[Path, tuple[str, list[str]]]:
     return schemas
 
 
-def _batches(files: list[Path]) -> Iterator[pa.Table]:
-    """The six columns, one file after another; the string keys read dictionary-encoded
-    (grouping on them is then a grouping on small integers)."""
+def _batches(files: list[Path], schemas: dict) -> Iterator[pa.Table]:
+    """The six columns (and `axis`, where the file has it), one file after another; the string
+    keys read dictionary-encoded (grouping on them is then a grouping on small integers)."""
     for path in files:
-        yield from row_groups(path, COUNT_KEYS, ("model", "dataset"))
+        axis = ["axis"] if "axis" in schemas[path][1] else []
+        yield from row_groups(path, COUNT_KEYS + axis, ("model", "dataset"))
 
 
 def _decoded(table: pa.Table) -> pa.Table:
@@ -100,7 +102,9 @@ def margin_counts(run: Path) -> pd.DataFrame:
         if missing:
             raise UserError(f"{path}: steps table lacks columns {', '.join(missing)}")
     parts: list[pa.Table] = []
-    for batch in _batches(files):
+    for batch in _batches(files, schemas):
+        if "axis" in batch.schema.names:  # a threshold gates batched steps: the batch axis's rows alone
+            batch = batch.filter(pc.equal(batch["axis"], "batch"))
         if batch.num_rows:
             parts.append(_decoded(grouped_count(batch, COUNT_KEYS)))
         if len(parts) >= MERGE_EVERY:

@@ -13,6 +13,8 @@ apart and left out of the comparisons with solo.
 
 from __future__ import annotations
 
+import uuid
+
 from mgbench.analysis.divergence import (
     Decoded,
     first_divergence,
@@ -122,12 +124,12 @@ async def _solo_pass(client: EndpointClient, members, prompts, texts, max_new_to
 
 async def _prefix_cache_pass(client: EndpointClient, members, prompts, texts, max_new_tokens, on_progress):
     """Each request sent twice in a row with the server's prompt cache allowed: the first fills the
-    cache (reusing what earlier requests with the same prefix left there), the second finds its
-    whole prompt cached. The second, warm answers by request index."""
+    cache, the second finds its whole prompt cached. The second, warm answers by request index."""
     warm = {}
     for i in members:
-        await client.complete(prompts[i], texts[i], max_new_tokens, warm=True)
-        warm[i] = await client.complete(prompts[i], texts[i], max_new_tokens, warm=True)
+        key = f"mgbench-warm-{uuid.uuid4().hex}"  # this pair's cache, shared with no other request
+        await client.complete(prompts[i], texts[i], max_new_tokens, warm=key)
+        warm[i] = await client.complete(prompts[i], texts[i], max_new_tokens, warm=key)
         on_progress("batched", 1)
     return warm
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 from urllib.parse import urlsplit
@@ -37,6 +38,10 @@ class EndpointOptions:
     needle: bool = False
     label: str | None = None  # the engine's name in reports (default: server, version, model)
     replica: int | None = None  # its index among the replicas of `--endpoint URL1,URL2,...` (None: one server)
+    # The prefix-cache axis over a server that caches by its own launch flag (vLLM): every cold request
+    # carries a cache_salt of its own, so it cannot hit what earlier requests cached, and a warm
+    # pair shares one (llama.cpp is told per request instead: cache_prompt).
+    salted: bool = False
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -231,7 +236,7 @@ class EndpointClient:
 
     # -- completions -------------------------------------------------------------------------------
 
-    def _body(self, info: ServerInfo, prompt, max_tokens: int, warm: bool = False) -> dict:
+    def _body(self, info: ServerInfo, prompt, max_tokens: int, warm: str | None = None) -> dict:
         return {
             "model": info.served_model,
             "prompt": prompt,
@@ -244,12 +249,16 @@ class EndpointClient:
             "return_tokens_as_token_ids": True,
             # llama.cpp: compute every prompt again (a cached prefix would make "solo twice" trivial),
             # except a `warm` request of the prefix-cache axis, which reuses the cached prompt.
-            **({"cache_prompt": warm} if info.takes_cache_prompt else {}),
+            **({"cache_prompt": warm is not None} if info.takes_cache_prompt else {}),
+            **({"cache_salt": warm or uuid.uuid4().hex} if self.options.salted and not info.takes_cache_prompt else {}),
         }
 
-    async def complete(self, prompt_ids: list[int], prompt_text: str, max_tokens: int, warm: bool = False) -> Decoded:
-        """One greedy completion; `warm`: the server may reuse its cached prompt prefix (llama.cpp's
-        cache_prompt; vLLM and SGLang cache by their own launch flags, whatever the request says)."""
+    async def complete(
+        self, prompt_ids: list[int], prompt_text: str, max_tokens: int, warm: str | None = None
+    ) -> Decoded:
+        """One greedy completion; `warm` (a key that requests sharing a cache share): the server may
+        reuse the prompt cached by an earlier request with the same key (llama.cpp's cache_prompt;
+        vLLM's cache_salt when `salted`; otherwise the server caches as it was started to)."""
         info = self.info
         prompt = prompt_ids if info.prompt_format == "token-ids" else prompt_text
         response = await self._request(
