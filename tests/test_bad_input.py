@@ -403,3 +403,22 @@ def test_help_fits_80_columns_with_nothing_cut(monkeypatch):
     listed = " ".join(runner.invoke(app, ["--help"], terminal_width=80).stdout.split())
     for command in group.commands.values():
         assert " ".join(command.short_help.split()) in listed
+
+
+def test_missing_files_and_folders_are_named_as_missing(tmp_path):
+    missing = tmp_path / "no-such-run"
+    assert_bad(tmp_path, ["report", str(missing), "--out", str(tmp_path / "r")], f"{missing} does not exist")
+    assert_bad(tmp_path, ["diff", str(missing), str(tmp_path)], f"{missing} does not exist")
+    config = tmp_path / "mine.toml"
+    assert_bad(tmp_path, ["flips", "--dataset", str(config), "--out", str(tmp_path / "o")], "not found (no such file)")
+
+
+def test_report_refuses_a_non_empty_out_and_diff_a_run_given_twice(tmp_path):
+    from pathlib import Path
+
+    run = Path(__file__).parent / "fixtures" / "v1-flips-run"
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "old-plot.png").write_bytes(b"")
+    assert_bad(tmp_path, ["report", str(run), "--out", str(taken)], "already exists and is not empty")
+    assert_bad(tmp_path, ["diff", str(run), str(run)], "given more than once")

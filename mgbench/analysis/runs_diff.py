@@ -90,6 +90,8 @@ def load_run(path: Path, name: str, mode: str) -> RecordedRun:
     """A flips or verify run directory (whole or sharded, any readable schema version)."""
     from mgbench.runs import rundir, schema
 
+    if not path.exists():
+        raise UserError(f"{path} does not exist; give run directories of mgbench flips or verify")
     if not path.is_dir():
         raise UserError(f"{path} is not a directory; give run directories of mgbench flips or verify")
     if rundir.looks_sharded(path):

@@ -53,6 +53,8 @@ def load_config(name_or_path: str) -> DatasetConfig:
     known = config_paths()
     path = known.get(name_or_path) or Path(name_or_path)
     if not path.is_file():
+        if name_or_path.endswith(".toml") or "/" in name_or_path:  # meant as a file
+            raise UserError(f"dataset config {name_or_path} not found (no such file)")
         raise UserError(f"unknown dataset {name_or_path!r}: use one of {', '.join(known)} or a path to a .toml config")
     try:
         raw = tomllib.loads(path.read_text())

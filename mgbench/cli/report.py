@@ -35,6 +35,8 @@ def report_command(
     """
     with user_errors(debug):
         target = out or Path("reports") / f"report-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):  # as flips and diff refuse it
+            raise UserError(f"--out {target} already exists and is not empty; choose another directory or remove it")
         first_made = target  # the outermost folder this report creates: removed again if it fails
         while not first_made.parent.exists() and first_made.parent != first_made:
             first_made = first_made.parent

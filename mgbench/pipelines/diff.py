@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from mgbench.analysis import runs_diff
+from mgbench.errors import UserError
 from mgbench.render.console import console, err_console
 from mgbench.runs import rundir, schema
 
@@ -39,6 +40,9 @@ def run_diff(
     shown: int,
 ) -> bool:
     """`mgbench diff`; False when a pair of runs fell below --require-identical."""
+    same = sorted({str(p) for p in paths if sum(q.resolve() == p.resolve() for q in paths) > 1})
+    if same:  # a run against itself is identical by definition: say so, rather than a 100% that means nothing
+        raise UserError(f"{', '.join(same)} given more than once: diff compares different runs")
     if out is not None:
         rundir.prepare_out_dir(out)
     names = runs_diff.run_names(paths)

@@ -27,6 +27,8 @@ def run_kind(run: Path) -> str:
 
     if run.is_dir() and looks_sharded(run):
         check_shards_complete(run)
+    if not run.exists():
+        raise UserError(f"{run} does not exist; give run directories of mgbench commands")
     if not run.is_dir() or not (run / "manifest.json").is_file():
         raise UserError(f"{run} is not an mgbench run directory (no manifest.json)")
     return _read_json(run / "manifest.json").get("command", "unknown")
