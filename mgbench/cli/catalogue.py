@@ -6,7 +6,8 @@ import json
 from dataclasses import asdict
 
 import typer
-from rich.table import Table
+from rich.markup import escape
+from rich.padding import Padding
 
 from mgbench.assets.datasets import config_paths, load_config
 from mgbench.assets.models import DEFAULT_MODEL, REGISTRY
@@ -28,12 +29,11 @@ def models(json_out: bool = typer.Option(False, "--json", help="Print the aliase
             )
         )
         return
-    table = Table(title="models")
-    for column in ("alias", "hub id", "notes"):
-        table.add_column(column)
+    # One entry per block, wrapped to the terminal: a table's columns would cut the notes with "…".
     for spec in REGISTRY.values():
-        table.add_row(spec.alias + (" (default)" if spec.alias == DEFAULT_MODEL else ""), spec.hub_id, spec.description)
-    console.print(table)
+        default = " (default)" if spec.alias == DEFAULT_MODEL else ""
+        console.print(f"[bold]{spec.alias}[/]{default}  {escape(spec.hub_id)}", highlight=False)
+        console.print(Padding(escape(spec.description), (0, 0, 0, 2)), highlight=False)
 
 
 def datasets(
@@ -44,17 +44,11 @@ def datasets(
         if json_out:
             print(json.dumps([asdict(load_config(name)) for name in config_paths()], indent=2, default=str))
             return
-        table = Table(title="datasets")
-        for column in ("name", "source", "prompt field", "chat template", "max new tokens", "description"):
-            table.add_column(column)
-        for name in config_paths():
+        for name in config_paths():  # one entry per block, wrapped to the terminal
             config = load_config(name)
-            table.add_row(
-                name,
-                f"{config.kind}: {config.location}",
-                config.prompt_field,
-                str(config.chat_template),
-                str(config.max_new_tokens),
-                config.description,
+            console.print(f"[bold]{name}[/]  {escape(config.description)}", highlight=False)
+            facts = (
+                f"source {escape(f'{config.kind}: {config.location}')}; prompt field {config.prompt_field}; "
+                f"chat template {'yes' if config.chat_template else 'no'}; max new tokens {config.max_new_tokens}"
             )
-        console.print(table)
+            console.print(Padding(facts, (0, 0, 0, 2)), highlight=False)

@@ -101,7 +101,7 @@ class OneLineErrors(TyperGroup):
         except click_exceptions.ClickException as exc:
             err_console.print(f"[bold red]error:[/] {escape(exc.format_message())}", highlight=False, soft_wrap=True)
             sys.exit(exc.exit_code)
-        except click_exceptions.Abort:
+        except typer.Abort:
             err_console.print("[bold red]aborted[/]")
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
