@@ -260,6 +260,11 @@ def compare_table(runs: pd.DataFrame) -> pd.DataFrame:
             **(
                 {"replayed": ("replayed", "median"), "discarded": ("discarded", "median")} if "replayed" in runs else {}
             ),
+            **(
+                {"verify_forwards": ("verify_forwards", "median"), "verify_slots": ("verify_slots", "median")}
+                if "verify_slots" in runs
+                else {}
+            ),
         )
         .reset_index()
     )
@@ -268,6 +273,8 @@ def compare_table(runs: pd.DataFrame) -> pd.DataFrame:
     table["trigger_rate"] = table["triggers"] / table["steps"].where(table["steps"] > 0)
     if "replayed" in table:  # tokens replayed by verification per emitted token
         table["replayed_per_token"] = table["replayed"] / table["tokens"].where(table["tokens"] > 0)
+    if "verify_slots" in table:  # token slots the verify forwards computed (padding, dummies) per emitted token
+        table["verify_slots_per_token"] = table["verify_slots"] / table["tokens"].where(table["tokens"] > 0)
     return table
 
 

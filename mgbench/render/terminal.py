@@ -297,6 +297,7 @@ def render_compare(console: Console, summary: dict) -> None:
         "triggers",
         "repairs",
         "replayed/token",
+        "verify slots/token",
     ):
         table.add_column(column, justify="right")
     for row in summary["configs"]:
@@ -311,6 +312,7 @@ def render_compare(console: Console, summary: dict) -> None:
             _pct(row["trigger_rate"]),
             _fmt(row["repairs"]),
             _fmt(row.get("replayed_per_token"), 3),
+            _fmt(row.get("verify_slots_per_token"), 3),
         )
     console.print(table)
     fixed = summary.get("fixed_order")
