@@ -88,8 +88,8 @@ def step_figures(steps: pd.DataFrame) -> dict:
     profile, overall = kv_before_flips(steps)
     figures["kv_delta_overall_median"] = overall
     figures["kv_delta_before_flips"] = profile
-    per = steps.groupby("batch_size").agg(steps=("flipped", "size"), flips=("flipped", "sum"))
-    figures["steps_by_batch_size"] = {int(b): (int(r.steps), int(r.flips)) for b, r in per.iterrows()}
+    per = steps.groupby(["axis", "batch_size"]).agg(steps=("flipped", "size"), flips=("flipped", "sum"))
+    figures["steps_by_batch_size"] = {(a, int(b)): (int(r.steps), int(r.flips)) for (a, b), r in per.iterrows()}
     return figures
 
 

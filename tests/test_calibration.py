@@ -29,6 +29,7 @@ def steps_frame(margins, flipped, ulps=None, model="m", dataset="d"):
             "row": 0,
             "batch_size": 8,
             "pad_len": 3,
+            "axis": "batch",
             "method": "teacher-forced",
             "step": np.arange(n),
             "solo_token": 1,

@@ -317,7 +317,7 @@ def test_different_models_and_disjoint_requests_are_refused_in_one_line(tmp_path
         ([a, other], "different models or tokenizers"),
         ([a, disjoint], "share no request"),
         ([a], "two run directories or more"),
-        ([a, tmp_path / "missing"], "is not a directory"),
+        ([a, tmp_path / "missing"], "does not exist"),
         ([a, a, "--require-identical", "2"], "between 0 and 1"),
     ):
         result = runner.invoke(app, ["diff", *map(str, args)])

@@ -49,6 +49,7 @@ def synthetic_steps(sequences: int, steps: int, seed: int, flip_share: float = 0
         "row": (seq % 4).astype(np.int32),
         "batch_size": np.where(seq % 2, 4, 2).astype(np.int32),
         "pad_len": np.zeros(n, np.int32),
+        "axis": pa.array(np.where(seq % 5 == 0, "prefix-cache", "batch")),  # two axes: grouped apart
         "method": pa.array(["teacher-forced"] * n),
         "step": np.tile(np.arange(steps), sequences).astype(np.int32),
         "solo_token": np.ones(n, np.int64),
@@ -71,7 +72,7 @@ def streamed_step_figures(source) -> dict:
     summary = figures.summarize_flips(aggregates, SEQUENCES)
     out = {k: summary[k] for k in reference.SUMMARY_KEYS}
     per = step_aggregates.steps_by_batch_size(aggregates.margin_counts)
-    out["steps_by_batch_size"] = {int(b): (int(r.steps), int(r.flips)) for b, r in per.iterrows()}
+    out["steps_by_batch_size"] = {(a, int(b)): (int(r.steps), int(r.flips)) for (a, b), r in per.iterrows()}
     return out
 
 

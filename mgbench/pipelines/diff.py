@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 
 from mgbench.analysis import runs_diff
-from mgbench.errors import UserError
 from mgbench.render.console import console, err_console
 from mgbench.runs import rundir, schema
 
@@ -41,8 +40,12 @@ def run_diff(
 ) -> bool:
     """`mgbench diff`; False when a pair of runs fell below --require-identical."""
     same = sorted({str(p) for p in paths if sum(q.resolve() == p.resolve() for q in paths) > 1})
-    if same:  # a run against itself is identical by definition: say so, rather than a 100% that means nothing
-        raise UserError(f"{', '.join(same)} given more than once: diff compares different runs")
+    if same:  # identical by construction (a control): said, so a 100% is not read as a finding
+        err_console.print(
+            f"note: {', '.join(same)} given more than once: that pair is the same run, identical by construction",
+            highlight=False,
+            soft_wrap=True,
+        )
     if out is not None:
         rundir.prepare_out_dir(out)
     names = runs_diff.run_names(paths)
