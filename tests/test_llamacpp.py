@@ -172,7 +172,7 @@ def test_one_slot_on_the_prefix_cache_and_repeat_axes(llamacpp_servers, prompts,
     warm = sequences[sequences["axis"] == "prefix-cache"]
     assert len(warm) == 4
     for row in warm.itertuples():
-        prompt = list(row.prompt_ids)
+        prompt = [int(t) for t in row.prompt_ids]
         bare_completion(url, model, prompt, 16, cache=True)
         ids, tops = bare_completion(url, model, prompt, 16, cache=True)
         assert list(row.batched_ids) == ids

@@ -279,7 +279,7 @@ def test_prefix_caching_on_audited_on_the_prefix_cache_and_repeat_axes(prompts, 
         model = served_model(server.url)
         sequences = pd.read_parquet(out / "sequences.parquet")
         for row in sequences[sequences["axis"] == "prefix-cache"].itertuples():
-            assert list(row.batched_ids) == bare_completion(server.url, model, list(row.prompt_ids), 16)[0]
+            assert list(row.batched_ids) == bare_completion(server.url, model, [int(t) for t in row.prompt_ids], 16)[0]
         assert len(sequences[sequences["axis"] == "repeat"]) == 4
     finally:
         server.stop()
