@@ -202,6 +202,11 @@ def condition_label(row: dict) -> str:
     return f"{axis} (load {row['batch_size']})" if axis == "repeat" else axis
 
 
+def varies_more_than_the_batch(rows: list[dict]) -> bool:
+    """Whether a flips summary's by_batch_size rows hold an axis other than the batch."""
+    return any(row.get("axis", "batch") != "batch" for row in rows)
+
+
 def overall_label(summary: dict) -> str:
     """Where the overall figures of a flips summary measured."""
     return "all batch sizes" if summary.get("axes", ["batch"]) == ["batch"] else "all axes"

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from mgbench.analysis.divergence import first_divergence
+from mgbench.analysis.figures import with_axis
 from mgbench.analysis.manifests import manifest_differences, model_identity
 from mgbench.errors import UserError
 
@@ -105,7 +106,7 @@ def load_run(path: Path, name: str, mode: str) -> RecordedRun:
         raise UserError(f"{path} is a {command} run: diff reads the outputs of flips or verify runs")
     table = rundir.read_run_table(path, "sequences", expected)
     frame = table.to_pandas()
-    frame = frame.assign(axis=frame["axis"] if "axis" in frame else "batch")
+    frame = with_axis(frame)
     if mode == SOLO:  # a repeat row's reference is its load's first run, not the request alone
         frame = frame[frame["axis"] != "repeat"]
     has_prompt_ids = "prompt_ids" in frame

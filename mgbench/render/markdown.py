@@ -34,12 +34,18 @@ def run_kind(run: Path) -> str:
     return _read_json(run / "manifest.json").get("command", "unknown")
 
 
+def _audit_cells(figures: dict) -> list:
+    """steps, flips, flip rate, sequences, diverged, determinism: of a whole flips run or of one axis."""
+    keys = ("steps", "flips", "flip_rate", "sequences", "sequences_diverged", "determinism")
+    return [_pct(figures[k]) if k in ("flip_rate", "determinism") else figures[k] for k in keys]
+
+
 def axes_lines(s: dict) -> list[str]:
     """A run that varied more than the batch: one row per axis (and batch size), side by side."""
-    from mgbench.analysis.gate import condition_label
+    from mgbench.analysis.gate import condition_label, varies_more_than_the_batch
 
     rows = s.get("by_batch_size", [])
-    if all(r.get("axis", "batch") == "batch" for r in rows):
+    if not varies_more_than_the_batch(rows):
         return []
     head = "By axis (each against the request alone and cold; repeat against its load's first run):"
     return [head, ""] + _table(
@@ -47,12 +53,7 @@ def axes_lines(s: dict) -> list[str]:
         [
             [
                 condition_label(r),
-                r["steps"],
-                r["flips"],
-                _pct(r["flip_rate"]),
-                r["sequences"],
-                r["sequences_diverged"],
-                _pct(r["determinism"]),
+                *_audit_cells(r),
                 f"{_num(r.get('flip_margin_logit_median'))} / {_num(r.get('flip_margin_logit_max'))}",
             ]
             for r in rows
@@ -87,12 +88,7 @@ def flips_section(run: Path, out: Path, prefix: str) -> list[str]:
                 s.get("engine") or "-",
                 s.get("method") or "-",
                 reference_text(s),
-                s["steps"],
-                s["flips"],
-                _pct(s["flip_rate"]),
-                s["sequences"],
-                s["sequences_diverged"],
-                _pct(s["determinism"]),
+                *_audit_cells(s),
                 _pct(s.get("drift_share")),
                 _num(s.get("max_logprob_drift")),
                 solo_repeat_text(s),

@@ -6,7 +6,7 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from mgbench.analysis.gate import condition_label
+from mgbench.analysis.gate import condition_label, varies_more_than_the_batch
 from mgbench.runs.schema import FIXED_ORDER_INVARIANT
 
 
@@ -74,7 +74,7 @@ def render_flips(console: Console, summary: dict, pads: pd.DataFrame) -> None:
         head.add_row(name, str(value))
     console.print(head)
 
-    axes = any(row.get("axis", "batch") != "batch" for row in summary["by_batch_size"])
+    axes = varies_more_than_the_batch(summary["by_batch_size"])
     by_b = Table(title="by axis: what varied against solo" if axes else "by batch size")
     columns = ("axis" if axes else "batch size", "steps", "flips", "flip rate", "sequences", "diverged")
     for column in (*columns, "flip margin med / max", "batched tok/s"):
