@@ -84,7 +84,7 @@ def compare_run_dir(planted_model_dir, tmp_path_factory):
             "--batch-size",
             "4",
             "--max-new-tokens",
-            "16",
+            "8",
             "--repeats",
             "2",
             "--threshold",
@@ -223,12 +223,27 @@ def test_report_renders_recorded_runs(compare_run_dir, tmp_path):
             measured += [always / gate] if gate > 0 else []
         line = f"- increment reduction always/{repair} over margin/{repair}: "
         (shown,) = [x[len(line) :] for x in text.splitlines() if x.startswith(line)]
+        median, _, spread = shown.partition(" ")
         if measured:
-            assert float(shown.removesuffix("x")) == pytest.approx(float(np.median(measured)), rel=6e-4)
+            assert float(median.removesuffix("x")) == pytest.approx(float(np.median(measured)), rel=6e-4)
+            low, high = (float(x) for x in spread.strip("()").split("-"))
+            assert (low, high) == (pytest.approx(min(measured), rel=6e-4), pytest.approx(max(measured), rel=6e-4))
         else:
-            assert shown == "-x"
+            assert shown == "-x (-)"
     assert (tmp_path / "report" / "0-latency_increment.png").read_bytes() == (
         compare_run_dir / "latency_increment.png"
     ).read_bytes()
     bad = runner.invoke(app, ["report", str(tmp_path), "--out", str(tmp_path / "r2")])
     assert bad.exit_code == 2 and "not an mgbench run directory" in bad.stderr
+
+
+def test_only_selects_by_prefix_and_wildcard():
+    from mgbench.errors import UserError
+    from mgbench.pipelines.compare_configs import configurations
+
+    names = lambda *only: [c.name for c in configurations(0.25, "logit", only)]  # noqa: E731
+    assert names("margin*/exact", "oracle") == ["none", "margin<0.25/exact", "oracle/column", "oracle/exact"]
+    replays = names("margin")  # a prefix alone takes MarginGate's replays too, and their unverified base
+    assert "margin<0.25/replay per row" in replays and "none (start-aligned)" in replays
+    with pytest.raises(UserError, match="no configuration starts with it"):  # a bracket is literal, not a set
+        names("window W=64/replay N=[8]")

@@ -4,6 +4,7 @@ command with its figures recomputed from the run's own tables, JUnit XML read by
 and every PNG opened. One run of each command on the planted tiny model, shared by the tests."""
 
 import json
+import shlex
 import struct
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -288,7 +289,9 @@ def test_report_has_one_section_per_command_that_names_its_run(runs, report):
     for kind, lines in report.items():
         manifest = read_json(runs["root"] / kind / "manifest.json")
         assert manifest["command"] == kind
-        assert line_with(lines, "Command: ") == f"Command: `{' '.join(manifest['argv'])}`"
+        variables = [f"{k}={v}" for k, v in manifest["kernel_environment"].items() if v is not None]
+        typed = " ".join(variables + [shlex.quote(a) for a in manifest["argv"]])
+        assert line_with(lines, "Command: ") == f"Command: `{typed}`"
         assert f"device {manifest['device_name']}, torch {manifest['torch']}," in line_with(lines, "model `")
 
 
@@ -364,6 +367,8 @@ def test_report_compare_section_recomputed_from_compare_parquet(runs, report):
         group = per_config.get_group(row["config"])
         seconds = group["seconds"].median()
         assert shown(row["decode s (median)"], seconds)
+        low, high = row["spread"].split("-")
+        assert shown(low, group["seconds"].min()) and shown(high, group["seconds"].max())
         assert shown(row["tok/s"], group["tokens"].median() / seconds)
         assert shown(row["increment"], seconds / none_seconds - 1)
         assert shown(row["determinism"], group["identical"].min() / group["sequences"].iloc[0])

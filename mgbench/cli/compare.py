@@ -57,7 +57,8 @@ def compare(
         "--only",
         help=(
             "Run only the configurations whose names start with these comma-separated prefixes (`none`, the "
-            "increments' base, always runs), e.g. `fixed-order,window,margin` ."
+            "increments' base, always runs), e.g. `fixed-order,window,margin` ; `*` stands for any characters: "
+            "`margin*/exact` is MarginGate's exact repair at any TAU, without its replays."
         ),
     ),
     tile_rows: Optional[int] = TileRowsOpt,

@@ -4,6 +4,7 @@ per-configuration sums over batches."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 
 from mgbench.engines.inprocess.verification.spec import PolicySpec
 from mgbench.errors import UserError
@@ -67,6 +68,12 @@ def replay_pairs(specs: list[PolicySpec]) -> list[tuple[PolicySpec, PolicySpec]]
     return [(w, g) for w in windows for g in specs if g.kind == "margin" and g.rows == w.rows]
 
 
+def selected(name: str, prefix: str) -> bool:
+    """`--only`'s match: the name starts with the prefix, where `*` stands for any run of characters
+    (`margin*/exact` picks MarginGate's exact repair whatever its TAU, and none of its replays)."""
+    return fnmatchcase(name, prefix.replace("[", "[[]") + "*")
+
+
 def configurations(tau: float, unit: str, only: tuple[str, ...] | None = None) -> list[Config]:
     """Every configuration, or (`only`) `none` and those whose names start with one of the prefixes."""
     configs = [Config("none", PolicySpec("none"))]
@@ -79,11 +86,11 @@ def configurations(tau: float, unit: str, only: tuple[str, ...] | None = None) -
     configs += [Config("batch-invariant", None), Config("solo", None)]
     if only is None:
         return configs
-    unmatched = [p for p in only if not any(c.name.startswith(p) for c in configs)]
+    unmatched = [p for p in only if not any(selected(c.name, p) for c in configs)]
     if unmatched:
         names = ", ".join(c.name for c in configs)
         raise UserError(f"--only {','.join(unmatched)}: no configuration starts with it (they are: {names})")
-    chosen = [c for c in configs if c.name == "none" or c.name.startswith(only)]
+    chosen = [c for c in configs if c.name == "none" or any(selected(c.name, p) for p in only)]
     if any(c.replays for c in chosen):  # the replays' own base: the same decoding unverified
         chosen = [c for c in configs if c in chosen or c.name == "none (start-aligned)"]
     return chosen

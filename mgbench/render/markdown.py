@@ -189,14 +189,31 @@ def verify_section(run: Path, out: Path, prefix: str) -> list[str]:
     return lines
 
 
+def spread(row: dict, key: str, fmt) -> str:
+    """min-max over the repeats (`key_min`, `key_max`; `min`, `max` for an empty key)."""
+    low, high = row.get(f"{key}_min" if key else "min"), row.get(f"{key}_max" if key else "max")
+    return "-" if low is None or high is None else f"{fmt(low)}-{fmt(high)}"
+
+
 def compare_section(run: Path, out: Path, prefix: str) -> list[str]:
     s = _read_json(run / "summary.json")
     lines = _table(
-        ["config", "decode s (median)", "tok/s", "increment", "determinism", "against", "trigger rate", "repairs"],
+        [
+            "config",
+            "decode s (median)",
+            "spread",
+            "tok/s",
+            "increment",
+            "determinism",
+            "against",
+            "trigger rate",
+            "repairs",
+        ],
         [
             [
                 r["config"],
                 _num(r["seconds"]),
+                spread(r, "seconds", _num),
                 _num(r["tokens_per_s"]),
                 _pct(r["increment"]),
                 _pct(r["determinism"]),
@@ -207,10 +224,18 @@ def compare_section(run: Path, out: Path, prefix: str) -> list[str]:
             for r in s["configs"]
         ],
     )
+    repeats = f"median of {s['repeats']} repeats, spread: min-max"
     for r in s["reductions"]:
-        lines.append(f"- increment reduction always/{r['repair']} over margin/{r['repair']}: {_num(r['median'])}x")
+        lines.append(
+            f"- increment reduction always/{r['repair']} over margin/{r['repair']}: {_num(r['median'])}x "
+            f"({spread(r, '', _num)})"
+        )
     for r in s.get("replay_reductions", []):
-        lines.append(f"- increment reduction {r['window']} over {r['gate']} (fixed-order solo): {_num(r['median'])}x")
+        lines.append(
+            f"- increment reduction {r['window']} over {r['gate']} (fixed-order solo): {_num(r['median'])}x "
+            f"({spread(r, '', _num)})"
+        )
+    lines.append(f"- timings: {repeats}")
     lines += [f"- gate alone: {_pct(s['gate_share_of_step'])} of a plain batched step", ""] + fixed_order_lines(s)
     return lines + _copy_plots(run, out, prefix, ("latency_increment.png", "determinism_vs_triggers.png"))
 
@@ -324,6 +349,14 @@ def schema_note(version) -> str:
     return f"schema {version} (read as {SCHEMA_VERSION})"
 
 
+def command_line(manifest: dict) -> str:
+    """The command as it was typed: the kernel-family variables it ran under, then its argv."""
+    import shlex
+
+    variables = [f"{k}={v}" for k, v in (manifest.get("kernel_environment") or {}).items() if v is not None]
+    return " ".join(variables + [shlex.quote(arg) for arg in manifest.get("argv", [])])
+
+
 def _run_lines(run: Path, kind: str, out: Path, prefix: str) -> list[str]:
     manifest = _read_json(run / "manifest.json")
     options = dict(manifest.get("options", {}))
@@ -338,7 +371,7 @@ def _run_lines(run: Path, kind: str, out: Path, prefix: str) -> list[str]:
         f"{manifest.get('transformers', '-')}, mgbench git {str(manifest.get('git_revision', '-'))[:10]}, "
         f"{schema_note(manifest.get('schema_version'))}",
         "",
-        f"Command: `{' '.join(manifest.get('argv', []))}`",
+        f"Command: `{command_line(manifest)}`",
         "",
     ] + SECTIONS[kind](run, out, prefix)
 
