@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 import re
 import shutil
@@ -128,12 +129,22 @@ def readme_with(readme: str, blocks: dict[str, str]) -> str:
     return re.sub(r"<!-- tour (\S+) -->\n.*?<!-- /tour -->", replace, readme, flags=re.S)
 
 
+def machine_block() -> str:
+    """The machine the tour was recorded on, from its plain flips run's manifest."""
+    manifest = json.loads((SHIPPED / "flips-plain" / "manifest.json").read_text())
+    return (
+        f"{manifest['device_name']}, {manifest['torch_threads']} torch threads, torch {manifest['torch']}, "
+        f"transformers {manifest['transformers']}, recorded {manifest['created_utc'][:10]}.\n"
+    )
+
+
 def rendered(scratch: Path) -> tuple[str, str]:
     """(report.md, README) as the code renders them from the shipped runs."""
     from mgbench.render.markdown import render
 
     report = render(shipped_runs(), scratch).read_text()
     blocks = {name: tour_block(lines) for name, lines in sections(report).items()}
+    blocks["machine"] = machine_block()
     return report, readme_with(README.read_text(), blocks)
 
 
@@ -156,8 +167,8 @@ def stale() -> list[str]:
     for path, fresh in ((EXAMPLE / "report.md", report), (README, readme)):
         old = path.read_text() if path.exists() else ""
         if old != fresh:
-            rel = str(path.relative_to(ROOT))
-            found.append("".join(difflib.unified_diff(old.splitlines(True), fresh.splitlines(True), rel, "rendered")))
+            lines = old.splitlines(True), fresh.splitlines(True)
+            found.append("".join(difflib.unified_diff(*lines, str(path), "rendered from the shipped runs")))
     return found
 
 

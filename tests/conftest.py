@@ -1,23 +1,9 @@
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-
-
-def pytest_configure(config):
-    """Under pytest-xdist (`make test` runs the in-process tests on two workers), each worker gets
-    its share of the cores, and so do the commands it starts: two workers each running torch on
-    every core would oversubscribe them."""
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if workers:
-        threads = max(1, (os.cpu_count() or 1) // int(workers))
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        import torch
-
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -69,18 +69,18 @@ def test_aligned_cache_writes_each_row_at_its_own_positions():
     cache.feed(torch.tensor([3, 70]))
     new = torch.stack([torch.full((2, 1, 4), 10.0), torch.full((2, 1, 4), 20.0)])
     keys, values = cache.update(new, -new, 0)
-    assert keys.shape == (2, 2, 2, 4, 64) and values.shape == (2, 2, 2, 64, 5)  # 71 keys: two chunks (keys transposed)
+    assert keys.shape == (2, 2, 2, 4, 64) and values.shape == (2, 2, 2, 64, 16)  # 71 keys: two chunks (keys transposed)
     row0 = cache.columns_of_row(0, 0, 4, torch.float32)[0, 0]  # [kv_heads, 4, dim]
     assert row0[:, :3].eq(1.0).all() and row0[:, 3].eq(10.0).all()
     row1 = cache.columns_of_row(1, 68, 3, torch.float32)[0, 1]
     assert row1[:, :2].eq(-2.0).all() and row1[:, 2].eq(-20.0).all()
-    assert keys[0, 0, :, :, 4:].eq(0).all() and values[0, 0, :, 4:, :-1].eq(0).all()  # nothing past row 0's end
-    assert values[..., -1].eq(1).all()  # the ones column (the attention's denominator)
+    assert keys[0, 0, :, :, 4:].eq(0).all() and values[0, 0, :, 4:, :4].eq(0).all()  # nothing past row 0's end
+    assert values[..., 4].eq(1).all() and values[..., 5:].eq(0).all()  # the ones column (the denominator), then zeros
 
 
 def reference_attention(query, keys, values, positions, scaling, window=None):
     """A plain float64 softmax over each query's visible keys, row by row (no chunks)."""
-    values = values[..., :-1]  # the ones column is the attention's denominator
+    values = values[..., : keys.shape[3]]  # past head_dim: the ones column (the denominator) and zeros
     n, batch, kv_heads, chunk, dim = values.shape
     flat_k = keys.transpose(3, 4).permute(1, 2, 0, 3, 4).reshape(batch, kv_heads, n * chunk, dim).double()
     flat_v = values.permute(1, 2, 0, 3, 4).reshape(batch, kv_heads, n * chunk, dim).double()

@@ -157,3 +157,23 @@ def test_prefix_cache_needs_a_shared_prefix_or_a_length(tiny_model_dir, tmp_path
     assert not (tmp_path / "one" / "sequences.parquet").exists()
     endpoint = CliRunner().invoke(app, ["flips", "--endpoint", "http://127.0.0.1:9/v1", "--chunk-tokens", "8"])
     assert endpoint.exit_code == 2 and "--chunk-tokens cannot apply to --endpoint" in endpoint.stderr
+
+
+@pytest.mark.slow
+def test_the_default_model_cut_at_a_multiple_of_every_block_is_printed_and_agrees_with_plain_hf(
+    tmp_path, default_tokenizer
+):
+    """The real default model on both prefill axes, every prompt cut at 32 tokens (a multiple of
+    the 8-, 16- and 32-row blocks CPU GEMM kernels tile by). Whether such a cut is exact here is
+    printed, never predicted; asserted only as agreement with plain HF calls prefilling the same
+    pieces."""
+    from mgbench.assets.models import resolve_source
+
+    result, summary, sequences = run_axes(
+        "smollm2-135m", tmp_path / "default", "--prefix-tokens", "32", "--chunk-tokens", "32", limit=2, tokens=4
+    )
+    assert result.exit_code == 0, result.output
+    assert (sequences["prompt_ids"].map(len) > 32).all()  # every prompt is cut: the check is not vacuous
+    print({axis: (r["flips"], r["sequences_diverged"]) for axis, r in by_axis(summary).items()})
+    eos = default_tokenizer.eos_token_id
+    cut_decodes_agree_with_plain_hf(resolve_source("smollm2-135m"), summary, sequences, eos)

@@ -143,7 +143,7 @@ def flips(
 
         mgbench flips --batch-invariant --limit 16 --max-new-tokens 32
 
-        # 0 flips against solo through the same fixed-order kernels
+        # flips against solo through the same fixed-order kernels
 
         mgbench flips --kernels fixed-order --limit 16 --max-new-tokens 32
 

@@ -48,14 +48,14 @@ def fixed_order_attention(
 ) -> torch.Tensor:
     """query [B, heads, q, head_dim]; keys [n, B, kv_heads, head_dim, chunk] (each chunk transposed:
     the scores' product reads it contiguous, 40% faster than a transposed view here), values
-    [n, B, kv_heads, chunk, head_dim + 1] whose last column is ones (`with_ones`: the P@V product
+    [n, B, kv_heads, chunk, value_width(head_dim)] whose column head_dim is ones (`with_ones`: the P@V product
     sums the softmax's denominator in the same fixed-shape call), float32 (start-aligned);
     positions [B, q] of the queries. Returns [B, q, heads, head_dim] in the query's dtype. Key j is
     visible to a query at position p iff j <= p (and p - j < window); `masks` is `key_masks` of
     these arguments when the caller keeps it (one per step and window)."""
     n, batch, kv_heads, chunk, width = values.shape
     heads, q = query.shape[1], query.shape[2]
-    group, head_dim = heads // kv_heads, width - 1
+    group, head_dim = heads // kv_heads, query.shape[-1]
     items = n * batch * q * kv_heads
     # The scaling goes into the query (one [B, heads, q, d] product instead of one over every score);
     # exact when it is a power of two, as 1/sqrt(head_dim) is for head_dim 64 or 256.
@@ -76,7 +76,7 @@ def fixed_order_attention(
     # P@V and its denominator (the ones column) per chunk, then chunk by chunk from position 0:
     # keys past a row's end (exact zeros) never reorder its sums.
     pv = torch.bmm(p.view(items, group, chunk), ve).view(n, batch, q, kv_heads, group, width).cumsum(0)[-1]
-    out = pv[..., :head_dim] / pv[..., head_dim:]  # [B, q, kvh, G, d]
+    out = pv[..., :head_dim] / pv[..., head_dim : head_dim + 1]  # [B, q, kvh, G, d]
     return out.to(query.dtype).reshape(batch, q, heads, head_dim)
 
 
