@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from mgbench import SCHEMA_VERSION
 from mgbench.cli import app
 
 ROOT = Path(__file__).parents[1]
@@ -57,7 +58,7 @@ def test_every_readme_block_names_a_shipped_run(tour):
     assert set(blocks) == names and len(blocks) == len(names)
     for run in tour.shipped_runs():
         manifest = json.loads((run / "manifest.json").read_text())
-        assert manifest["schema_version"] == "5", run  # recorded with the current schema
+        assert manifest["schema_version"] == SCHEMA_VERSION, run  # recorded with the current schema
 
 
 def test_calibrate_and_diff_on_the_shipped_runs_reproduce_the_shipped_ones(tour, tmp_path):
