@@ -133,27 +133,12 @@ def build_model(folder: Path, vocab: int, max_positions: int) -> None:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     if vocab < len(tokenizer):
-        trim_tokenizer(folder / "tokenizer.json", vocab)
+        from mgbench.assets.trimmed_tokenizer import trim_tokenizer
 
-
-def trim_tokenizer(path: Path, vocab: int) -> None:
-    """Cut a byte-level BPE tokenizer to its first `vocab` ids: the byte symbols and special
-    tokens have the lowest ids, so every text still encodes (with fewer merges), all ids < vocab."""
-    document = json.loads(path.read_text())
-    model = document["model"]
-    if model.get("type") != "BPE":
-        raise SystemExit(f"--vocab {vocab}: the default tokenizer is not a BPE tokenizer; use at least its size")
-    kept = {token: i for token, i in model["vocab"].items() if i < vocab}
-    if any(t["id"] >= vocab for t in document.get("added_tokens", []) if t.get("special")):
-        raise SystemExit(f"--vocab {vocab}: too small for the tokenizer's special tokens")
-    merges = []
-    for merge in model["merges"]:
-        left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
-        if left in kept and right in kept and left + right in kept:
-            merges.append(merge)
-    model["vocab"], model["merges"] = kept, merges
-    document["added_tokens"] = [t for t in document.get("added_tokens", []) if t["id"] < vocab]
-    path.write_text(json.dumps(document, ensure_ascii=False))
+        try:
+            trim_tokenizer(folder / "tokenizer.json", vocab)
+        except ValueError as exc:
+            raise SystemExit(f"--vocab {vocab}: {exc}") from None
 
 
 @dataclass

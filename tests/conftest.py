@@ -27,7 +27,9 @@ def math500_prompts(default_lm):
 # Markers say what a test costs (pyproject.toml): a test that asks for the real default model is
 # marked slow here; one that loads it some other way (a CLI run on the default model) without the
 # mark fails, naming the marker it lacks.
-MODEL_FIXTURES = {"default_lm", "math500_prompts"}
+# A whole `compare` on the tiny model (every configuration, its probes and packed replays) costs
+# about as much as a default-model run: its shared run is marked slow the same way.
+MODEL_FIXTURES = {"default_lm", "math500_prompts", "planted_compare_run"}
 _running = {"slow": True}
 
 
@@ -79,19 +81,28 @@ def default_tokenizer():
     return tokenizer
 
 
+TINY_VOCAB = 4096
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_tokenizer):
-    """A random-init Llama with the default model's tokenizer, saved as a local model folder.
-    Planted near-tie rows put every step's top-2 within about 0.012 logit; whether this
-    machine's batched kernels turn that into flips is measured, never assumed."""
+    """A random-init Llama with the default model's tokenizer cut to its first TINY_VOCAB ids
+    (mgbench.assets.trimmed_tokenizer: the same chat template and special ids, every text still
+    encodes), saved as a local model folder. A tiny model's cost is its vocabulary-wide head: at
+    49,152 ids a whole compare took 90 s on 2 cores. Planted near-tie rows put every step's top-2
+    within about 0.012 logit; whether this machine's batched kernels turn that into flips is
+    measured, never assumed."""
     folder = tmp_path_factory.mktemp("tiny-model")
     from helpers import plant_near_ties, tiny_llama
 
-    model = tiny_llama(hidden=64, vocab=len(default_tokenizer))
+    from mgbench.assets.trimmed_tokenizer import trim_tokenizer
+
+    model = tiny_llama(hidden=64, vocab=TINY_VOCAB)
     model.config.eos_token_id = default_tokenizer.eos_token_id
     plant_near_ties(model, eps=0.0005)
     model.save_pretrained(folder)
     default_tokenizer.save_pretrained(folder)
+    trim_tokenizer(folder / "tokenizer.json", TINY_VOCAB)
     return folder
 
 
@@ -110,6 +121,30 @@ def planted_model_dir(tiny_model_dir, tmp_path_factory):
     shutil.copytree(tiny_model_dir, folder)
     (folder / PLANT_MARKER).write_text(json.dumps({"module": "lm_head", "delta": 1.0, "invariant_up_to": 1}))
     return folder
+
+
+COMPARE_TAU = 0.05
+
+
+@pytest.fixture(scope="session")
+def planted_compare_run(planted_model_dir, tmp_path_factory):
+    """(run directory, its --json output) of one `compare` on the planted model, every
+    configuration, 2 timed repeats: plain batched decoding flips at every multi-row step (certain on
+    any machine), so the repairs and the invariant modes have something to restore. One run for
+    the harness's tests and the output-format tests: a compare on a tiny model costs about a minute
+    on 2 cores (the fixed-order probe and the packed replays push N x W rows through a 49k head)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mgbench.cli import app
+
+    out = tmp_path_factory.mktemp("runs") / "compare"
+    args = ["compare", "--model", str(planted_model_dir), "--dataset", "gsm8k", "--limit", "2", "--batch-size", "2"]
+    args += ["--max-new-tokens", "6", "--repeats", "2", "--threshold", str(COMPARE_TAU), "--out", str(out), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return out, json.loads(result.stdout)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -131,3 +166,31 @@ def every_table_row_fills_its_headers():
     Table.add_row = checked
     yield
     Table.add_row = add_row
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tokenizers_load_once_per_folder():
+    """Hundreds of in-process CLI runs load the same tokenizer folder: parsing it takes about 0.45 s
+    on 2 cores, a quarter of a tiny-model run. mgbench never mutates a tokenizer, so one object
+    per folder state (its files' names, sizes and mtimes) serves every run; a folder a test edits
+    is another state and loads anew."""
+    from transformers import AutoTokenizer
+
+    loaded = {}
+    load = AutoTokenizer.from_pretrained.__func__
+
+    def state(source) -> tuple:
+        folder = Path(str(source))
+        if not folder.is_dir():
+            return ()
+        return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if p.is_file())
+
+    def load_once(cls, source, *args, **kwargs):
+        key = (str(source), state(source), args, tuple(sorted(kwargs.items())))
+        if key not in loaded:
+            loaded[key] = load(cls, source, *args, **kwargs)
+        return loaded[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(AutoTokenizer, "from_pretrained", classmethod(load_once))
+        yield

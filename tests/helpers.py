@@ -5,8 +5,12 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+# Vocabulary of the random-init models on random prompts: a tiny model's cost is its head (bf16
+# linears on an AVX2 CPU take time in proportion to the weight), and 1,024 ids cost 8x less than 8,192.
+VOCAB = 1024
 
-def tiny_llama(hidden: int = 128, vocab: int = 8192, layers: int = 2, kv_heads: int = 4, seed: int = 0):
+
+def tiny_llama(hidden: int = 128, vocab: int = VOCAB, layers: int = 2, kv_heads: int = 4, seed: int = 0):
     """Random-init bf16 Llama without grouped-query attention (kv_heads == heads), SDPA attention."""
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -122,14 +126,15 @@ class NeighbourDependentLinear(_PlantedLinear):
 def runner_up_past_top(logits: torch.Tensor, below: float) -> torch.Tensor:
     """Where a position's top-1/top-2 margin is below `below`, its runner-up logit becomes one step
     (of the logits' dtype) above the top-1: the argmax moves there, certainly, at a margin of one
-    ulp (on an exact tie, to the tied token argmax did not pick)."""
-    top = logits.argmax(-1, keepdim=True)
-    first = logits.gather(-1, top)
-    rest = logits.scatter(-1, top, torch.full_like(first, float("-inf")))
-    runner_up = rest.argmax(-1, keepdim=True)
-    second = rest.gather(-1, runner_up)
+    ulp (on an exact tie, to the tied token argmax did not pick). Edits `logits` in place (callers
+    pass a head's fresh output) and returns it: the planted heads run on every step of hundreds of
+    tests, and `max` (first index on ties, as argmax) on bf16 is 3x faster here than argmax."""
+    first, top = logits.max(-1, keepdim=True)
+    logits.scatter_(-1, top, torch.full_like(first, float("-inf")))
+    second, runner_up = logits.max(-1, keepdim=True)
+    logits.scatter_(-1, top, first)
     above = torch.nextafter(first, torch.full_like(first, float("inf")))
-    return logits.scatter(-1, runner_up, torch.where(first - second < below, above, second))
+    return logits.scatter_(-1, runner_up, torch.where(first - second < below, above, second))
 
 
 class RowCountNudgedHead(RowCountPerturbedLinear):

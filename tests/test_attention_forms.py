@@ -6,14 +6,14 @@ of the grouped call must make the probe refuse it (the case the check must catch
 
 import pytest
 import torch
-from helpers import random_prompts, tiny_llama
+from helpers import VOCAB, random_prompts, tiny_llama
 
 import mgbench.engines.inprocess.kernels.attention_forms as forms
 from mgbench.engines.inprocess.kernels.attention_forms import PER_ROW, AttentionForm, aligned_groups, attend, per_row
 from mgbench.engines.inprocess.kernels.batch_invariant import base_attention
 from mgbench.engines.inprocess.kernels.invariance_probe import probe_model
 
-PROMPT = random_prompts([40], vocab=8192, seed=7)[0]
+PROMPT = random_prompts([40], vocab=VOCAB, seed=7)[0]
 
 
 def test_aligned_groups_share_a_pad_residue_and_leave_pads_multiple_of_the_width():

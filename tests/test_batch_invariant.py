@@ -6,7 +6,7 @@ import json
 import pandas as pd
 import pytest
 import torch
-from helpers import RowCountPerturbedLinear, plain_flip_audit, plant_near_ties, random_prompts, tiny_llama
+from helpers import VOCAB, RowCountPerturbedLinear, plain_flip_audit, plant_near_ties, random_prompts, tiny_llama
 from typer.testing import CliRunner
 
 from mgbench.cli import app
@@ -29,7 +29,7 @@ def test_chunk_sizes_take_the_largest_allowed_first():
     assert calls == [3, 3, 1] and torch.equal(out, x * 2)
 
 
-PROBE_PROMPT = random_prompts([40], vocab=8192, seed=7)[0]
+PROBE_PROMPT = random_prompts([40], vocab=VOCAB, seed=7)[0]
 
 
 def probe_of(model):
@@ -66,7 +66,7 @@ def test_probe_finds_the_planted_row_count_dependence(perturbed):
 
 def test_batch_invariant_decoding_reproduces_solo_bitwise(perturbed):
     model, probe, _ = perturbed
-    prompts = random_prompts([12, 17, 20, 25, 9, 28, 4, 21], vocab=8192)
+    prompts = random_prompts([12, 17, 20, 25, 9, 28, 4, 21], vocab=VOCAB)
     with torch.inference_mode():
         solos = [run_solo(model, p, 24, set()) for p in prompts]
         plain = run_teacher_forced(model, prompts, solos, "alone", PAD_ID)

@@ -67,34 +67,8 @@ def test_reductions_per_repeat():
 
 
 @pytest.fixture(scope="module")
-def compare_run_dir(planted_model_dir, tmp_path_factory):
-    """compare on the planted model: plain batched decoding flips at every multi-row step (certain
-    on any machine), so the repairs and the batch-invariant mode have something to restore."""
-    out = tmp_path_factory.mktemp("runs") / "compare"
-    result = runner.invoke(
-        app,
-        [
-            "compare",
-            "--model",
-            str(planted_model_dir),
-            "--dataset",
-            "gsm8k",
-            "--limit",
-            "4",
-            "--batch-size",
-            "4",
-            "--max-new-tokens",
-            "8",
-            "--repeats",
-            "2",
-            "--threshold",
-            "0.05",
-            "--out",
-            str(out),
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    return out
+def compare_run_dir(planted_compare_run):
+    return planted_compare_run[0]
 
 
 def test_compare_harness_excludes_warmup_and_reports_every_config(compare_run_dir):
@@ -133,10 +107,10 @@ def test_compare_harness_excludes_warmup_and_reports_every_config(compare_run_di
         assert by[config]["determinism"] == 1.0
     assert by["always/exact"]["repairs"] > 0 and by["oracle/exact"]["repairs"] > 0, "determinism restored, not 0 == 0"
     assert by["oracle/exact"]["triggers"] == by["oracle/exact"]["repairs"]
-    # The gate's share of a plain batched step, recomputed: one batch (4 requests at batch size 4)
+    # The gate's share of a plain batched step, recomputed: one batch (2 requests at batch size 2)
     # of full-length outputs, so each plain pass ran max_new_tokens - 1 decode iterations.
     none = runs[runs["config"] == "none"]
-    assert summary["batch_size"] == summary["sequences"] == 4
+    assert summary["batch_size"] == summary["sequences"] == 2
     assert (none["steps"] == none["sequences"] * summary["max_new_tokens"]).all(), "no output ended early"
     plain_step = none["seconds"].median() / (summary["max_new_tokens"] - 1)
     assert summary["plain_batched_step_seconds"] == pytest.approx(plain_step)

@@ -4,6 +4,7 @@ negative and positive controls, exact cache operations."""
 import pytest
 import torch
 from helpers import (
+    VOCAB,
     plain_flip_audit,
     plain_teacher_forced,
     plant_near_ties,
@@ -57,7 +58,7 @@ def test_teacher_forced_flips_agree_with_independent_loop():
     step flips on any machine; the engine's figures equal plain HF calls on the same batch."""
     model = near_tie_model()
     plant_nudged_head(model, delta=0.05)
-    prompts = random_prompts([12, 17, 9, 21], vocab=8192)
+    prompts = random_prompts([12, 17, 9, 21], vocab=VOCAB)
     steps = 16
     independent = plain_flip_audit(model, prompts, steps)
     solos = solos_of(model, prompts, steps)
@@ -77,7 +78,7 @@ def test_teacher_forced_flips_agree_with_independent_loop():
 def test_batch_of_one_equals_solo_by_construction(prefill):
     """Negative control: the batched path with one unpadded row runs solo's own computation."""
     model = near_tie_model()
-    prompts = random_prompts([16], vocab=8192, seed=3)
+    prompts = random_prompts([16], vocab=VOCAB, seed=3)
     solos = solos_of(model, prompts, 24)
     with torch.inference_mode():
         result = run_teacher_forced(model, prompts, solos, prefill, PAD_ID)
@@ -94,7 +95,7 @@ def test_natural_batch_agrees_with_independent_loop(lengths, prefill, capsys):
     asserted only as agreement: the engine's logit differences and flips equal plain HF calls on
     exactly these batches, and every row's free-running decoding follows solo up to its first flip."""
     model = near_tie_model()
-    prompts = random_prompts(lengths, vocab=8192, seed=3)
+    prompts = random_prompts(lengths, vocab=VOCAB, seed=3)
     independent = plain_flip_audit(model, prompts, 24, prefill)
     solos = solos_of(model, prompts, 24)
     with torch.inference_mode():
@@ -129,7 +130,7 @@ def test_planted_padded_batch_flips_and_diverges():
     multi-row step of the near-tie model, so a padded batch diverges from solo on any machine."""
     model = near_tie_model()
     plant_nudged_head(model, delta=1.0)
-    prompts = random_prompts([12, 17, 20, 25, 9, 28, 4, 21], vocab=8192)
+    prompts = random_prompts([12, 17, 20, 25, 9, 28, 4, 21], vocab=VOCAB)
     solos = solos_of(model, prompts, 32)
     with torch.inference_mode():
         result = run_teacher_forced(model, prompts, solos, "alone", PAD_ID)
@@ -149,7 +150,7 @@ def test_probe_accounts_for_every_row_that_differs():
 
     model = tiny_llama()
     with torch.inference_mode():
-        probe = probe_model(model, random_prompts([40], vocab=8192, seed=7)[0], rows=32)
+        probe = probe_model(model, random_prompts([40], vocab=VOCAB, seed=7)[0], rows=32)
     assert set(probe.plain_rows_differing) <= set(probe.varying_op_rows)
     assert probe.exact and probe.invariant_rows_differing == []
     ops = {f.op for f in probe.findings}
@@ -184,7 +185,7 @@ def test_lockstep_solo_equals_the_solo_runner_and_its_rerun():
     results (the re-decode of later batch sizes) gives every column bitwise again."""
     model = near_tie_model()
     plant_nudged_head(model, delta=0.05)  # flips, so the rows compared are not all trivial
-    prompts = random_prompts([12, 17, 9, 21], vocab=8192)
+    prompts = random_prompts([12, 17, 9, 21], vocab=VOCAB)
     eos = {7, 11}  # some rows may stop early: lengths differ
     with torch.inference_mode():
         solos = [run_solo(model, p, 20, eos) for p in prompts]
@@ -206,7 +207,7 @@ def test_a_solo_reference_that_does_not_repeat_stops_the_run():
     from mgbench.errors import UserError
 
     model = near_tie_model()
-    prompts = random_prompts([12], vocab=8192)
+    prompts = random_prompts([12], vocab=VOCAB)
     with torch.inference_mode():
         first = run_teacher_forced(model, prompts, [None], "alone", PAD_ID, 12, set())
         plant_nudged_head(model, delta=1.0, invariant_up_to=0)  # now every call, alone too, is nudged

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 from helpers import (
+    VOCAB,
     NeighbourDependentLinear,
     PositionDependentLinear,
     RowCountPerturbedLinear,
@@ -27,7 +28,7 @@ from mgbench.engines.inprocess.kernels import fixed_order
 from mgbench.engines.inprocess.kernels.aligned_cache import StartAlignedCache, with_ones
 from mgbench.engines.inprocess.kernels.fixed_order import FixedOrderPlan, fixed_order_attention
 from mgbench.engines.inprocess.kernels.fixed_order_probe import probe_fixed_order
-from mgbench.engines.inprocess.kernels.sets import Kernels
+from mgbench.engines.inprocess.kernels.sets import Kernels, row_prefills
 from mgbench.engines.inprocess.runners import run_solo, run_teacher_forced
 from mgbench.engines.inprocess.verification.loop import run_free
 
@@ -121,7 +122,7 @@ def test_batched_equals_fixed_order_solo_bitwise_where_stock_kernels_are_measure
     """Several batch sizes, unequal lengths, planted near-ties: 0 flips and 0 logit difference
     against the fixed-order solo run. What the stock kernels do on the same batch is printed."""
     model = gqa_model()
-    prompts = random_prompts(LENGTHS, vocab=8192, seed=3)
+    prompts = random_prompts(LENGTHS, vocab=VOCAB, seed=3)
     with torch.inference_mode():
         kernels = Kernels("fixed-order", probe_fixed_order(model, prompts, rows=len(prompts)).plan)
     for size in (2, 5, 8):
@@ -134,7 +135,7 @@ def test_batched_equals_fixed_order_solo_bitwise_where_stock_kernels_are_measure
 
 def test_a_batch_of_one_equals_its_solo_run():
     model = gqa_model()
-    [prompt] = random_prompts([50], vocab=8192, seed=4)
+    [prompt] = random_prompts([50], vocab=VOCAB, seed=4)
     kernels = Kernels("fixed-order", FixedOrderPlan())
     solos, forced, free = audit(model, [prompt], kernels)
     assert flips_and_diffs(forced) == (0, 0.0) and free.tokens == [solos[0].tokens.tolist()]
@@ -144,7 +145,7 @@ def test_batched_logits_equal_an_independent_per_row_computation():
     """The batch in the probed plan against every part forced per row (attention alone over each
     row's own chunks, every linear one row at a time): a different code path, the same bits."""
     model = gqa_model()
-    prompts = random_prompts(LENGTHS[:6], vocab=8192, seed=5)
+    prompts = random_prompts(LENGTHS[:6], vocab=VOCAB, seed=5)
     with torch.inference_mode():
         plan = probe_fixed_order(model, prompts, rows=len(prompts)).plan
     every_linear = {n: "per-row" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -170,7 +171,7 @@ def planted_key_length_attention(monkeypatch):
 
 def test_probe_rejects_a_planted_key_length_dependence_and_falls_back_per_row(planted_key_length_attention):
     model = gqa_model()
-    prompts = random_prompts(LENGTHS, vocab=8192, seed=6)
+    prompts = random_prompts(LENGTHS, vocab=VOCAB, seed=6)
     with torch.inference_mode():
         probe = probe_fixed_order(model, prompts, rows=len(prompts))
     batched = next(v for v in probe.verdicts if v.part == "attention" and v.form == "batched")
@@ -192,7 +193,7 @@ def test_never_one_row_where_a_gemm_differs_at_one_row_only():
     model = gqa_model()
     mlp = model.model.layers[1].mlp
     mlp.down_proj = RowCountPerturbedLinear(mlp.down_proj, invariant_up_to=1)
-    prompts = random_prompts(LENGTHS, vocab=8192, seed=7)
+    prompts = random_prompts(LENGTHS, vocab=VOCAB, seed=7)
     with torch.inference_mode():
         probe = probe_fixed_order(model, prompts, rows=len(prompts))
     assert probe.plan.forms["model.layers.1.mlp.down_proj"] == "never-one-row"
@@ -215,7 +216,7 @@ def test_a_gemm_that_changes_its_summation_above_32_rows_runs_in_chunks_or_tiles
     for layer in model.model.layers:
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(layer.mlp, name, SplitKAboveLinear(getattr(layer.mlp, name), invariant_up_to=32))
-    prompts = random_prompts([(5 + 17 * i) % 140 + 3 for i in range(64)], vocab=8192, seed=11)
+    prompts = random_prompts([(5 + 17 * i) % 140 + 3 for i in range(64)], vocab=VOCAB, seed=11)
     with torch.inference_mode():
         probe = probe_fixed_order(model, prompts, rows=64)
     verdicts = part_verdicts(probe, "linear mlp.down_proj")
@@ -240,7 +241,7 @@ def test_a_user_set_tile_is_the_only_one_tried():
     model = gqa_model()
     mlp = model.model.layers[0].mlp
     mlp.down_proj = SplitKAboveLinear(mlp.down_proj, invariant_up_to=4)
-    prompts = random_prompts(LENGTHS * 3, vocab=8192, seed=12)
+    prompts = random_prompts(LENGTHS * 3, vocab=VOCAB, seed=12)
     with torch.inference_mode():
         probe = probe_fixed_order(model, prompts, rows=len(prompts), tile=4)
     assert probe.tiles_tried == [4] and probe.plan.tile == 4
@@ -261,7 +262,7 @@ def test_a_row_whose_bits_depend_on_its_place_or_its_neighbours_refuses_tiles(pl
     model = gqa_model()
     for layer in model.model.layers:
         layer.mlp.down_proj = planted(layer.mlp.down_proj)
-    prompts = random_prompts(LENGTHS * 2, vocab=8192, seed=13)
+    prompts = random_prompts(LENGTHS * 2, vocab=VOCAB, seed=13)
     with torch.inference_mode():
         probe = probe_fixed_order(model, prompts, rows=len(prompts))
     verdicts = part_verdicts(probe, "linear mlp.down_proj")
@@ -297,7 +298,7 @@ def test_tile_forms_equal_the_module_on_every_row_and_pad_with_zeros():
 
 def test_a_chunk_in_one_forward_equals_step_by_step_and_a_planted_query_count_dependence_is_caught(monkeypatch):
     model = gqa_model()
-    prompts = random_prompts(LENGTHS[:4], vocab=8192, seed=8)
+    prompts = random_prompts(LENGTHS[:4], vocab=VOCAB, seed=8)
     with torch.inference_mode():
         assert probe_fixed_order(model, prompts, rows=4).chunk_vs_steps["exact"]
     real = fixed_order.fixed_order_attention
@@ -338,11 +339,13 @@ def test_default_model_fixed_order_is_bitwise_at_batch_8_32_and_64_on_unequal_pr
     ]
     model = default_lm.model
     with torch.inference_mode():
-        probe = probe_fixed_order(model, prompts, rows=64, steps=2)
+        # each prompt prefilled alone once, stock kernels, for the probe and the solos alike
+        prefills = row_prefills(model, prompts)
+        probe = probe_fixed_order(model, prompts, rows=64, steps=2, prefills=prefills)
         kernels = Kernels("fixed-order", probe.plan)
         print("\n[this machine] default model, fixed-order plan at 64 rows:", probe.plan.describe())
         with kernels.active(model):
-            solos = [run_solo(model, p, 4, set(), kernels) for p in prompts]
+            solos = [run_solo(model, p, 4, set(), kernels, prefill) for p, prefill in zip(prompts, prefills)]
             for size in (8, 32, 64):
                 forced = run_teacher_forced(model, prompts[:size], solos[:size], "alone", PAD_ID, kernels=kernels)
                 assert flips_and_diffs(forced) == (0, 0.0), size
@@ -468,7 +471,7 @@ def test_gemma3_sliding_window_and_qk_norm_fixed_order_is_bitwise_its_solo():
     """A second architecture: the sliding layer's window (16) is shorter than every prompt, so the
     attention's window mask is exercised; it also agrees with Gemma's own attention to rounding."""
     model = tiny_gemma3()
-    prompts = random_prompts([20, 40, 70, 100, 33], vocab=8192, seed=9)
+    prompts = random_prompts([20, 40, 70, 100, 33], vocab=VOCAB, seed=9)
     with torch.inference_mode():
         probe = probe_fixed_order(model, prompts, rows=len(prompts))
     assert probe.chunk_vs_steps["exact"]
@@ -479,7 +482,7 @@ def test_gemma3_sliding_window_and_qk_norm_fixed_order_is_bitwise_its_solo():
     # The first decode steps agree with Gemma's own SDPA attention to bf16 rounding: the fixed-order
     # kernels change bits, not the computation. (Short prompts: the stock path's K/V columns need the
     # prompt inside the window; the window mask itself is checked against float64 above.)
-    short = random_prompts([6, 9, 12], vocab=8192, seed=10)
+    short = random_prompts([6, 9, 12], vocab=VOCAB, seed=10)
     fixed_short, _, _ = audit(model, short, kernels, steps=3)
     with torch.inference_mode():
         for prompt, solo in zip(short, fixed_short):

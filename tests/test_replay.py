@@ -9,12 +9,12 @@ must give each row the logits it gets replayed alone, bitwise."""
 
 import pytest
 import torch
-from helpers import cli_args, plant_near_ties, random_prompts, tiny_llama
+from helpers import VOCAB, cli_args, plant_near_ties, random_prompts, tiny_llama
 
 from mgbench.engines.inprocess.kernels import fixed_order
 from mgbench.engines.inprocess.kernels.aligned_cache import StartAlignedCache, StockAlignedCache
 from mgbench.engines.inprocess.kernels.fixed_order_probe import probe_fixed_order
-from mgbench.engines.inprocess.kernels.sets import Kernels
+from mgbench.engines.inprocess.kernels.sets import Kernels, row_prefills
 from mgbench.engines.inprocess.runners import run_solo
 from mgbench.engines.inprocess.verification.loop import run_free
 from mgbench.engines.inprocess.verification.replay import ReplayRepair
@@ -56,7 +56,7 @@ def setup(planted: bool, lengths=(5, 37, 70, 130, 12)):
     plant_near_ties(model)
     if planted:
         model.lm_head = StockOnlyForcedToken(model.lm_head)
-    prompts = random_prompts(list(lengths), vocab=8192, seed=11)
+    prompts = random_prompts(list(lengths), vocab=VOCAB, seed=11)
     with torch.inference_mode():
         # Planned for every forward the policies make: decode steps, replays of 1..W tokens, N x W batches.
         probe = probe_fixed_order(model, prompts, rows=len(prompts), calls=VERIFY_CALLS, verify_rows=16)
@@ -66,7 +66,7 @@ def setup(planted: bool, lengths=(5, 37, 70, 130, 12)):
             solos = [run_solo(model, p, STEPS, set(), kernels) for p in prompts]
     if planted:
         seen = {t for s in solos for t in s.tokens.tolist()}
-        model.lm_head.token = min(set(range(1, 8192)) - seen)
+        model.lm_head.token = min(set(range(1, VOCAB)) - seen)
     return model, prompts, kernels, solos
 
 
@@ -170,17 +170,18 @@ def test_default_model_replay_equals_its_fixed_order_steps(default_lm, math500_p
         # Planned for the replays' calls too: on an AMX Xeon a 64-row call takes another oneDNN
         # kernel than the 4-row batch (a plan probed at 4 rows only is refused for these replays).
         calls = sorted({*per_row.verify_calls, *packed.verify_calls})
-        probe = probe_fixed_order(model, prompts, rows=4, calls=calls, verify_rows=8, chunk_tokens=8)
+        prefills = row_prefills(model, prompts)  # stock, alone: the probes and the solos share them
+        probe = probe_fixed_order(model, prompts, rows=4, calls=calls, verify_rows=8, chunk_tokens=8, prefills=prefills)
         assert probe.chunk_vs_steps["exact"]
         kernels = Kernels("fixed-order", probe.plan)
         with kernels.active(model):
-            solos = [run_solo(model, p, STEPS, set(), kernels) for p in prompts]
+            solos = [run_solo(model, p, STEPS, set(), kernels, prefill) for p, prefill in zip(prompts, prefills)]
     for row, solo in zip(replay_solo_tokens(model, kernels, prompts, solos), solos):
         assert row.rollbacks == 0 and row.verified == len(solo.tokens)
     result = verified(model, prompts, kernels, solos, packed)
     assert result.tokens == [s.tokens.tolist() for s in solos]
     with torch.inference_mode():
-        narrow = Kernels("fixed-order", probe_fixed_order(model, prompts, rows=4).plan)
+        narrow = Kernels("fixed-order", probe_fixed_order(model, prompts, rows=4, prefills=prefills).plan)
     with pytest.raises(ValueError, match="probed up to"):
         verified(model, prompts, narrow, solos, packed)
 

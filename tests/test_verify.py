@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 import pandas as pd
 import pytest
 import torch
-from helpers import plant_near_ties, plant_nudged_head, random_prompts, tiny_llama
+from helpers import VOCAB, plant_near_ties, plant_nudged_head, random_prompts, tiny_llama
 from typer.testing import CliRunner
 
 from mgbench.engines.inprocess import cache as cache_ops
@@ -30,7 +30,7 @@ def flipping_batch():
     model = tiny_llama()
     plant_near_ties(model)
     plant_nudged_head(model, delta=0.02)
-    prompts = random_prompts(LENGTHS, vocab=8192)
+    prompts = random_prompts(LENGTHS, vocab=VOCAB)
     with torch.inference_mode():
         solos = [run_solo(model, p, STEPS, set()) for p in prompts]
     return model, prompts, solos

@@ -25,7 +25,10 @@ from mgbench.engines.endpoint.local_server import VLLM_VENV, LocalServer
 pytestmark = pytest.mark.server  # every test here talks to a real server the module starts
 
 runner = CliRunner()
-AUDIT = ["flips", "--dataset", "gsm8k", "--limit", "4", "--batch-size", "2", "--max-new-tokens", "16"]
+# 8 tokens: a 16-token request took about 3 s on vLLM's CPU build on 2 cores (AVX2 EPYC), and the
+# tests here send dozens; divergence, margins and drift are compared per step, whatever the length.
+TOKENS = 8
+AUDIT = ["flips", "--dataset", "gsm8k", "--limit", "4", "--batch-size", "2", "--max-new-tokens", str(TOKENS)]
 TOP = 5
 
 
@@ -101,8 +104,8 @@ def test_solo_repeat_and_solo_margins_agree_with_a_bare_client(vllm, prompts, au
     where the server repeats alone, mgbench's solo answers and every solo margin (sequences and
     steps) are the ones the bare client's raw responses give."""
     model = served_model(vllm.url)
-    solos = [bare_completion(vllm.url, model, p, 16) for p in prompts]
-    repeats = solos == [bare_completion(vllm.url, model, p, 16) for p in prompts]
+    solos = [bare_completion(vllm.url, model, p, TOKENS) for p in prompts]
+    repeats = solos == [bare_completion(vllm.url, model, p, TOKENS) for p in prompts]
     out, summary = audited
     print(f"\n[this machine] vLLM alone twice identical: bare client {repeats}, mgbench {summary['solo_repeat']}")
     assert summary["solo_repeat"]["deterministic"] == repeats and summary["solo_repeat"]["requests"] == 4
@@ -122,11 +125,11 @@ def test_positive_control_drift_reported_as_measured_by_a_bare_client(vllm, prom
     """Solo vs two concurrent requests, measured without mgbench; mgbench must report the same:
     drift > 0 where this CPU's vLLM shows it, 0 where its kernels are batch-invariant."""
     model = served_model(vllm.url)
-    solos = [bare_completion(vllm.url, model, p, 16) for p in prompts]
+    solos = [bare_completion(vllm.url, model, p, TOKENS) for p in prompts]
     measured_drift = 0.0
     for start in (0, 2):
         with ThreadPoolExecutor(2) as pool:
-            pairs = list(pool.map(lambda p: bare_completion(vllm.url, model, p, 16), prompts[start : start + 2]))
+            pairs = list(pool.map(lambda p: bare_completion(vllm.url, model, p, TOKENS), prompts[start : start + 2]))
         for (solo_ids, solo_top), (ids, top) in zip(solos[start : start + 2], pairs):
             agree = next((i for i, (a, b) in enumerate(zip(solo_ids, ids)) if a != b), min(len(solo_ids), len(ids)))
             for a, b in zip(solo_top[:agree], top[:agree]):
@@ -294,5 +297,5 @@ def test_prefix_caching_on_audited_on_the_prefix_cache_and_repeat_axes(vllm_serv
     model = served_model(server.url)
     sequences = pd.read_parquet(out / "sequences.parquet")
     for row in sequences[sequences["axis"] == "prefix-cache"].itertuples():
-        assert list(row.batched_ids) == bare_completion(server.url, model, [int(t) for t in row.prompt_ids], 16)[0]
+        assert list(row.batched_ids) == bare_completion(server.url, model, [int(t) for t in row.prompt_ids], TOKENS)[0]
     assert len(sequences[sequences["axis"] == "repeat"]) == 4

@@ -173,9 +173,14 @@ def time_configurations(
             }
             fixed_solos = {}
             if kernels is not None:
+                # Both references prefill each request alone with the stock kernels: one prefill serves both.
                 with kernels.active(model):
                     fixed_solos = {
-                        i: alone_or_stop(lambda i=i: run_solo(model, tensors[i], run.max_new_tokens, eos_ids, kernels))
+                        i: alone_or_stop(
+                            lambda i=i: run_solo(
+                                model, tensors[i], run.max_new_tokens, eos_ids, kernels, solos[i].row_prefill
+                            )
+                        )
                         for i in members
                     }
             references["stock solo"].update({i: solos[i].tokens.tolist() for i in members})

@@ -78,10 +78,16 @@ class StepColumns:
 
 
 def run_solo(
-    model, prompt: torch.Tensor, max_new_tokens: int, eos_ids: set[int], kernels: Kernels = STOCK
+    model,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    kernels: Kernels = STOCK,
+    prefill: RowPrefill | None = None,
 ) -> SoloResult:
-    """Greedy decoding of one request alone: batch size 1, no padding, through `kernels`."""
-    decoder = kernels.solo(model, prompt, max_new_tokens)
+    """Greedy decoding of one request alone: batch size 1, no padding, through `kernels`; from the
+    prompt's stock `prefill` alone where it was computed before (both kernel sets prefill so)."""
+    decoder = kernels.solo(model, prompt, max_new_tokens, prefill)
     steps = StepColumns(max_new_tokens)
     steps.put_solo_summary(decoder.logits)
     tokens = [int(steps["tokens"][0, -1])]

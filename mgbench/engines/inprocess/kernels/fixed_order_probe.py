@@ -309,18 +309,21 @@ def probe_fixed_order(
     tile: int | None = None,
     calls: list[int] = (),
     verify_rows: int = 0,
+    prefills: list | None = None,
 ) -> FixedOrderProbe:
     """Probe the fixed-order forms on `rows` real prompts (cycled if fewer), `steps` decode steps;
     chunks and tiles at `tile` rows if given, else at each of TILE_ROWS that fits. `calls`: row
     counts of the run's other fixed-order forwards (replays), checked too; `verify_rows`: the
     chunk of `chunk_tokens` is checked as a verify batch of that many rows (dummies after the real
-    ones), as packed replays run it."""
+    ones), as packed replays run it. `prefills`: the prompts' stock prefills alone where a caller
+    has them (the solo runs reuse them too): a prefill is most of a short probe's time."""
     started = time.perf_counter()
     chosen = [prompts[i % len(prompts)] for i in range(rows)]
+    known = [prefills[i % len(prompts)] for i in range(rows)] if prefills is not None else None
     tiles = tile_sizes(max([rows, *calls]), tile)
     sizes = batch_sizes(rows, tiles, calls)
     with torch.inference_mode():
-        prefills = row_prefills(model, chosen)
+        prefills = row_prefills(model, chosen, known)
         trial = FixedOrderPlan(chunk)  # everything as is while activations are captured
         capture = _Capture(model, rows)
         with fixed_order_kernels(model, trial), capture, wrapped_attention(model, "probe", capture.record):
