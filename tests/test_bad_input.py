@@ -328,6 +328,7 @@ def test_cuda_asked_where_there_is_none(tmp_path, tiny_model_dir, command):
     )
 
 
+@pytest.mark.slow  # fresh Python processes that import torch
 def test_a_second_writer_on_a_live_run_is_refused(tmp_path, tmp_path_factory, tiny_model_dir):
     """A real run is stopped (SIGSTOP) once it holds its run directory (its staging folder's lock is
     taken before run.json is written); a second run on the same --out is refused in one line and

@@ -187,6 +187,8 @@ def test_cli_bad_tables_exit_2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # `python -m mgbench` twice on the default model, about 30 s; the traces' reuse is
+# checked every run by the planted test below, in process
 def test_calibrate_records_real_traces_then_reuses_them(tmp_path):
     import os
     import subprocess
@@ -207,13 +209,13 @@ def test_calibrate_records_real_traces_then_reuses_them(tmp_path):
         "--max-new-tokens",
         "12",
         "--transfer",
-        "humaneval",
+        "gsm8k",  # shorter prompts than humaneval's: the transfer mechanism is the same
     ]
     first = subprocess.run(
         [*command, "--out", str(tmp_path / "a")], capture_output=True, text=True, env=env, timeout=900
     )
     assert first.returncode == 0, first.stderr[-2000:]
-    assert "math500: recorded traces" in first.stderr and "humaneval: recorded traces" in first.stderr
+    assert "math500: recorded traces" in first.stderr and "gsm8k: recorded traces" in first.stderr
     document = json.loads((tmp_path / "a" / "calibration.json").read_text())
     assert document["model"] == "smollm2-135m" and document["datasets"] == ["math500"]
     assert document["steps"] > 0 and document["batch_sizes"] == [4]
@@ -238,30 +240,18 @@ def test_calibrate_on_planted_flips_puts_tau_above_every_flip(tmp_path, monkeypa
 
     plant_every_loaded_model(monkeypatch, delta=0.5)
     monkeypatch.setenv("MGBENCH_TRACES", str(tmp_path / "traces"))
-    result = runner.invoke(
-        app,
-        [
-            "calibrate",
-            "--dataset",
-            "math500",
-            "--limit",
-            "4",
-            "--batch-size",
-            "4",
-            "--max-new-tokens",
-            "12",
-            "--transfer",
-            "humaneval",
-            "--out",
-            str(tmp_path / "a"),
-        ],
-    )
+    arguments = ["calibrate", "--dataset", "math500", "--limit", "4", "--batch-size", "4", "--max-new-tokens", "12"]
+    arguments += ["--transfer", "gsm8k", "--out", str(tmp_path / "a")]
+    result = runner.invoke(app, arguments)
     assert result.exit_code == 0, result.output
     document = json.loads((tmp_path / "a" / "calibration.json").read_text())
     assert document["flips"] > 0
     assert document["per_unit"]["logit"]["max_flip_margin"] < 0.5
     assert document["tau"] > document["per_unit"]["logit"]["max_flip_margin"]
-    assert [r["dataset"] for r in document["transfer"]] == ["humaneval", "humaneval"]
+    assert [r["dataset"] for r in document["transfer"]] == ["gsm8k", "gsm8k"]
+    again = runner.invoke(app, [*arguments[:-1], str(tmp_path / "b")])  # the same audit: its traces are reused
+    assert again.exit_code == 0 and "math500: reused cached traces" in again.stderr, again.output
+    assert json.loads((tmp_path / "b" / "calibration.json").read_text())["tau"] == document["tau"]
 
 
 def sorted_counts(counts):

@@ -62,6 +62,7 @@ def test_gpu_check_quick_on_cpu_runs_every_command(tmp_path):
         assert (out / run / "manifest.json").is_file()
 
 
+@pytest.mark.slow  # fresh Python processes that import torch
 def test_bench_memory_tiny_sweep_prints_its_table(tmp_path):
     done = run_script(
         BENCH_MEMORY,
@@ -80,6 +81,8 @@ def test_bench_memory_tiny_sweep_prints_its_table(tmp_path):
     assert runs == ["run-v4096-n16", "run-v4096-n8"]
 
 
+@pytest.mark.slow  # fresh Python processes that import torch
+@pytest.mark.full  # the script's error path (about 15 s); the sweep above runs it every time
 def test_bench_memory_reports_a_failing_run_and_exits_nonzero(tmp_path):
     done = run_script(
         BENCH_MEMORY,

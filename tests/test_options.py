@@ -187,6 +187,7 @@ def test_endpoint_needle_sends_each_request_among_fillers(tmp_path):
     assert set(sequences["batch_size"]) == {3} and len(sequences) == 2
 
 
+@pytest.mark.slow  # fresh Python processes that import torch
 def test_verify_killed_then_resumed_equals_an_uninterrupted_run(tiny_model_dir, tmp_path):
     # 6 requests at batch size 2: three groups, committed one by one.
     args = verify_args(tiny_model_dir, tmp_path / "run", "--policy", "none,oracle", limit="6", tokens="4")

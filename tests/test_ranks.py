@@ -156,6 +156,7 @@ def wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # fresh Python processes that import torch
 def test_torchrun_rank_killed_then_resumed_equals_an_uninterrupted_run(tiny_model_dir, tmp_path):
     """Rank 0 finishes its shard, rank 1 is killed -9 after its first group: torchrun fails. The
     same command with --resume: rank 0 says its shard is done (exit 0, writes nothing), rank 1

@@ -88,6 +88,7 @@ app(sys.argv[1:], prog_name="mgbench")
 """
 
 
+@pytest.mark.slow  # fresh Python processes that import torch
 def test_kill_9_then_resume_equals_an_uninterrupted_run(reference, tiny_model_dir, tmp_path, monkeypatch):
     out = tmp_path / "run"
     killed = subprocess.run(
@@ -119,6 +120,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(reference, tiny_model_di
     assert again.exit_code == 2 and "already complete" in again.stderr
 
 
+@pytest.mark.slow  # fresh Python processes that import torch
 def test_two_torchrun_ranks_merge_into_the_one_process_run(reference, tiny_model_dir, tmp_path):
     out = tmp_path / "sharded"
     ranks = [
@@ -320,6 +322,7 @@ def first_difference(a, b) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+@pytest.mark.slow  # fresh Python processes that import torch
 def test_tensor_parallel_under_torchrun_writes_one_run(reference, tiny_model_dir, tmp_path):
     """The documented command, on CPU (gloo): both ranks hold half of each layer, rank 0 publishes.
 

@@ -25,10 +25,11 @@ from mgbench.engines.endpoint.local_server import VLLM_VENV, LocalServer
 pytestmark = pytest.mark.server  # every test here talks to a real server the module starts
 
 runner = CliRunner()
-# 8 tokens: a 16-token request took about 3 s on vLLM's CPU build on 2 cores (AVX2 EPYC), and the
-# tests here send dozens; divergence, margins and drift are compared per step, whatever the length.
-TOKENS = 8
-AUDIT = ["flips", "--dataset", "gsm8k", "--limit", "4", "--batch-size", "2", "--max-new-tokens", str(TOKENS)]
+# 2 requests of 8 tokens, one concurrent pair: on vLLM's CPU build on 2 cores (AVX2 EPYC) a request
+# takes about 2.5 s, mostly its prefill, and the three-axis audit sends each request 7 times;
+# divergence, margins and drift are compared per request and step, whatever the count.
+REQUESTS, TOKENS = 2, 8
+AUDIT = ["flips", "--dataset", "gsm8k", "--limit", str(REQUESTS), "--batch-size", "2", "--max-new-tokens", str(TOKENS)]
 TOP = 5
 
 
@@ -86,7 +87,7 @@ def bare_completion(url: str, model: str, prompt: list[int], max_tokens: int) ->
 @pytest.fixture(scope="session")
 def prompts(default_tokenizer):
     config = datasets.load_config("gsm8k")
-    selected = datasets.select_requests(config, datasets.read_records(config), 4, 0)
+    selected = datasets.select_requests(config, datasets.read_records(config), REQUESTS, 0)
     return [datasets.encode(default_tokenizer, config, r.text) for r in selected]
 
 
@@ -108,7 +109,7 @@ def test_solo_repeat_and_solo_margins_agree_with_a_bare_client(vllm, prompts, au
     repeats = solos == [bare_completion(vllm.url, model, p, TOKENS) for p in prompts]
     out, summary = audited
     print(f"\n[this machine] vLLM alone twice identical: bare client {repeats}, mgbench {summary['solo_repeat']}")
-    assert summary["solo_repeat"]["deterministic"] == repeats and summary["solo_repeat"]["requests"] == 4
+    assert summary["solo_repeat"]["deterministic"] == repeats and summary["solo_repeat"]["requests"] == REQUESTS
     if not repeats:
         pytest.skip("this vLLM does not repeat a request alone: no solo reference to compare margins with")
     sequences = pd.read_parquet(out / "sequences.parquet")
@@ -127,7 +128,7 @@ def test_positive_control_drift_reported_as_measured_by_a_bare_client(vllm, prom
     model = served_model(vllm.url)
     solos = [bare_completion(vllm.url, model, p, TOKENS) for p in prompts]
     measured_drift = 0.0
-    for start in (0, 2):
+    for start in range(0, REQUESTS, 2):
         with ThreadPoolExecutor(2) as pool:
             pairs = list(pool.map(lambda p: bare_completion(vllm.url, model, p, TOKENS), prompts[start : start + 2]))
         for (solo_ids, solo_top), (ids, top) in zip(solos[start : start + 2], pairs):
@@ -298,4 +299,4 @@ def test_prefix_caching_on_audited_on_the_prefix_cache_and_repeat_axes(vllm_serv
     sequences = pd.read_parquet(out / "sequences.parquet")
     for row in sequences[sequences["axis"] == "prefix-cache"].itertuples():
         assert list(row.batched_ids) == bare_completion(server.url, model, [int(t) for t in row.prompt_ids], TOKENS)[0]
-    assert len(sequences[sequences["axis"] == "repeat"]) == 4
+    assert len(sequences[sequences["axis"] == "repeat"]) == REQUESTS
