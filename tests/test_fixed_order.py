@@ -44,10 +44,12 @@ def gqa_model():
     return model
 
 
-def audit(model, prompts, kernels: Kernels, steps: int = 10):
-    """(solos, teacher-forced result, free-running result) of one batch through `kernels`."""
+def audit(model, prompts, kernels: Kernels, steps: int = 10, prefills=None):
+    """(solos, teacher-forced result, free-running result) of one batch through `kernels`; the
+    solos start from the prompts' stock `prefills` alone where given (computed once, reused)."""
+    prefills = prefills or [None] * len(prompts)
     with torch.inference_mode(), kernels.active(model):
-        solos = [run_solo(model, p, steps, set(), kernels) for p in prompts]
+        solos = [run_solo(model, p, steps, set(), kernels, prefill) for p, prefill in zip(prompts, prefills)]
         forced = run_teacher_forced(model, prompts, solos, "alone", PAD_ID, kernels=kernels)
         free = run_free(model, prompts, [s.row_prefill for s in solos], "alone", PAD_ID, steps, set(), kernels=kernels)
     return solos, forced, free
@@ -315,11 +317,12 @@ def test_default_model_fixed_order_is_bitwise_its_solo_reference(default_lm, mat
     model = default_lm.model
     prompts = [torch.tensor(p) for p in math500_prompts]
     with torch.inference_mode():
-        probe = probe_fixed_order(model, prompts, rows=4)
+        prefills = row_prefills(model, prompts)
+        probe = probe_fixed_order(model, prompts, rows=4, prefills=prefills)
     assert probe.chunk_vs_steps["exact"]
     kernels = Kernels("fixed-order", probe.plan)
     for size in (2, 4):
-        solos, forced, free = audit(model, prompts[:size], kernels, steps=12)
+        solos, forced, free = audit(model, prompts[:size], kernels, steps=12, prefills=prefills[:size])
         assert flips_and_diffs(forced) == (0, 0.0)
         assert free.tokens == [s.tokens.tolist() for s in solos]
 
