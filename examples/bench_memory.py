@@ -138,7 +138,7 @@ def build_model(folder: Path, vocab: int, max_positions: int) -> None:
         try:
             trim_tokenizer(folder / "tokenizer.json", vocab)
         except ValueError as exc:
-            raise SystemExit(f"--vocab {vocab}: {exc}") from None
+            raise SystemExit(f"--vocab: {exc}") from None
 
 
 @dataclass

@@ -72,7 +72,7 @@ def planted_folders_load_planted():
 
 @pytest.fixture(scope="session")
 def default_tokenizer():
-    """The default model's tokenizer alone (no weights): tiny models share it."""
+    """The default model's tokenizer alone (no weights): the tiny models' is cut from it."""
     from mgbench.assets import models
 
     tokenizer, _ = models.load_tokenizer(models.DEFAULT_MODEL)

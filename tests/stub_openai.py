@@ -59,8 +59,9 @@ class StubState:
         self.shift_at = shift_at
         self.delay, self.short_at = delay, short_at
         # PLANTED PREFIX-CACHE VARIANCE (`warm_flip` = (step, margin)): a completion that allows the
-        # prompt cache (llama.cpp's cache_prompt) for a prompt already answered that way in this run
-        # finds it cached: its token at `step` moves by one, with a top-1/top-2 margin of `margin`.
+        # prompt cache (llama.cpp's cache_prompt) for a prompt already answered in this run (either
+        # way, as a llama.cpp slot keeps every prompt) finds it cached: its token at `step` moves by
+        # one, with a top-1/top-2 margin of `margin`.
         self.warm_flip, self.cached = warm_flip, set()
         # PLANTED RUN-TO-RUN VARIANCE (`flip_on_sending` = n): a prompt's n-th full-length completion
         # of a run (its load's second run, in an audit of the repeat axis alone) flips at step 2, as a
@@ -99,10 +100,10 @@ class StubState:
 
 def _warm_flip(state: StubState, body: dict, ids: list[int]) -> tuple[int, float] | None:
     """(step, margin) of the planted prefix-cache flip where this completion hits the stub's cache."""
-    if state.warm_flip is None or not body.get("cache_prompt") or int(body["max_tokens"]) <= 2:
+    if state.warm_flip is None or int(body["max_tokens"]) <= 2:
         return None
-    with state.lock:
-        hit = tuple(ids) in state.cached
+    with state.lock:  # as llama.cpp's slot: every prompt is kept, only a cache_prompt request reuses it
+        hit = tuple(ids) in state.cached and bool(body.get("cache_prompt"))
         state.cached.add(tuple(ids))
     return state.warm_flip if hit else None
 

@@ -303,8 +303,8 @@ def rows_by_axis(summary) -> dict:
 
 
 def test_prefix_cache_axis_catches_a_planted_warm_near_tie_at_its_margin_and_passes_without_it(tmp_path):
-    """Must fail: a llama.cpp-shaped stub whose cached prompt (cache_prompt, second sending) moves
-    the token at step 3 at a planted margin of 0.0625: every request diverges there on the
+    """Must fail: a llama.cpp-shaped stub whose cached prompt (cache_prompt, after the pair's first
+    sending computed it afresh) moves the token at step 3 at a planted margin of 0.0625: every request diverges there on the
     prefix-cache axis, the flip's margin is the planted one, and the batch axis stays clean. Must
     pass: the same stub without the plant."""
     with StubServer(StubState(llamacpp=True, warm_flip=(3, 0.0625))) as server:
@@ -318,8 +318,9 @@ def test_prefix_cache_axis_catches_a_planted_warm_near_tie_at_its_margin_and_pas
     sequences = pd.read_parquet(tmp_path / "warm" / "sequences.parquet")
     warm = sequences[sequences["axis"] == "prefix-cache"]
     assert (warm["first_divergence"] == 3).all() and (warm["batch_size"] == 1).all()
+    # one cache_prompt request per request (the warm one); every other, the pair's first included, false
     warm_bodies = [b for b in bodies if b.get("cache_prompt")]
-    assert len(warm_bodies) == 2 * 4 and sum(b.get("cache_prompt") is False for b in bodies) == len(bodies) - 8
+    assert len(warm_bodies) == 4 and sum(b.get("cache_prompt") is False for b in bodies) == len(bodies) - 4
 
     with StubServer(StubState(llamacpp=True)) as server:
         clean = flips(server.url, tmp_path / "cold", "--axes", "batch,prefix-cache", "--require-determinism", "1")

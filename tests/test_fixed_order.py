@@ -492,3 +492,27 @@ def test_gemma3_sliding_window_and_qk_norm_fixed_order_is_bitwise_its_solo():
             stock = run_solo(model, prompt, 2, set())
             assert torch.equal(stock.row_prefill.logits, solo.row_prefill.logits)  # the prefill alone: the same call
             assert torch.allclose(stock.top_logits[1], solo.top_logits[1], atol=0.05, rtol=0.02)
+
+
+def test_a_prefill_alone_inside_the_fixed_order_kernels_is_the_stock_prefill_bitwise():
+    """compare's fixed-order solo and the default-model tests reuse a stock prefill alone
+    (`run_solo(prefill=)`, `probe_fixed_order(prefills=)`): sound only if the fixed-order kernels
+    leave a prefill alone as the model computes it. The plan runs a PLANTED position-dependent
+    linear per row and the attention per row; the control: that form changes the linear's output
+    on the prefill's many rows. The prefill inside the kernels' block equals the one outside."""
+    from mgbench.engines.inprocess.kernels.fixed_order import run_in_form
+
+    model = tiny_llama(kv_heads=2)
+    mlp = model.model.layers[0].mlp
+    mlp.down_proj = PositionDependentLinear(mlp.down_proj)
+    [prompt] = random_prompts([40], vocab=VOCAB, seed=14)
+    plan = FixedOrderPlan(forms={"model.layers.0.mlp.down_proj": "per-row"}, attention="per-row")
+    with torch.inference_mode():
+        outside = row_prefills(model, [prompt])[0]
+        with Kernels("fixed-order", plan).active(model):
+            inside = row_prefills(model, [prompt])[0]
+        rows = torch.randn(40, mlp.down_proj.in_features, dtype=torch.bfloat16)
+        assert not torch.equal(run_in_form(mlp.down_proj.forward, "per-row", rows), mlp.down_proj(rows))
+    assert torch.equal(inside.logits, outside.logits)
+    for (k_in, v_in), (k_out, v_out) in zip(inside.layers, outside.layers):
+        assert torch.equal(k_in, k_out) and torch.equal(v_in, v_out)

@@ -96,8 +96,9 @@ def own_kv_deltas(batched_cache, solo_cache, row: int, pad: int, start: int, cou
 
 
 # `make test` recomputes the default prefill (alone); the batched prefill's run (a left-padded
-# prefill of 4 math500 prompts, about 60 s on an AVX2 EPYC's 2 cores) is in `make test-full`, and
-# its padded batch is recomputed on the tiny model in test_engine.py (batched-padded) every run.
+# prefill of 4 math500 prompts, about 60 s on an AVX2 EPYC's 2 cores) is in `make test-full`. Every
+# run, test_engine.py (batched-padded) recomputes a padded batched prefill's logit differences and
+# flips on a tiny model; its margins in ulps, drift and K/V deltas only here.
 @pytest.fixture(scope="module", params=["alone", pytest.param("batched", marks=pytest.mark.full)])
 def recorded(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"independent-{request.param}") / "run"

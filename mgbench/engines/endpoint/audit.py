@@ -4,11 +4,11 @@ Groups of requests are the same as the in-process engine's (the largest batch si
 the records each group yields: the flips pipeline commits, resumes and summarises both alike.
 Per group: every request alone, one at a time (the reference); then at each batch size the
 group's requests in concurrent batches released together (or, in needle mode, each request
-among B-1 fillers); with the prefix-cache axis, each request sent twice more with the server's
-prompt cache allowed (the second is warm); with the repeat axis, the group's requests as one load
-(arrivals staggered) sent twice, the second compared with the first; then every request alone
-again. A request whose two solo runs disagree is "not deterministic at batch size 1": counted
-apart and left out of the comparisons with solo.
+among B-1 fillers); with the prefix-cache axis, each request sent twice more, the first filling
+the server's prompt cache afresh and the second reusing it (warm); with the repeat axis, the
+group's requests as one load (arrivals staggered) sent twice, the second compared with the
+first; then every request alone again. A request whose two solo runs disagree is "not
+deterministic at batch size 1": counted apart and left out of the comparisons with solo.
 """
 
 from __future__ import annotations
@@ -123,12 +123,12 @@ async def _solo_pass(client: EndpointClient, members, prompts, texts, max_new_to
 
 
 async def _prefix_cache_pass(client: EndpointClient, members, prompts, texts, max_new_tokens, on_progress):
-    """Each request sent twice in a row with the server's prompt cache allowed: the first fills the
-    cache, the second finds its whole prompt cached. The second, warm answers by request index."""
+    """Each request sent twice in a row: the first fills the server's cache with its whole prompt
+    computed afresh, the second finds it cached. The second, warm answers by request index."""
     warm = {}
     for i in members:
         key = f"mgbench-warm-{uuid.uuid4().hex}"  # this pair's cache, shared with no other request
-        await client.complete(prompts[i], texts[i], max_new_tokens, warm=key)
+        await client.complete(prompts[i], texts[i], max_new_tokens, warm=key, fill=True)
         warm[i] = await client.complete(prompts[i], texts[i], max_new_tokens, warm=key)
         on_progress("batched", 1)
     return warm

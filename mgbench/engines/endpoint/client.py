@@ -236,7 +236,7 @@ class EndpointClient:
 
     # -- completions -------------------------------------------------------------------------------
 
-    def _body(self, info: ServerInfo, prompt, max_tokens: int, warm: str | None = None) -> dict:
+    def _body(self, info: ServerInfo, prompt, max_tokens: int, warm: str | None = None, fill: bool = False) -> dict:
         return {
             "model": info.served_model,
             "prompt": prompt,
@@ -248,21 +248,25 @@ class EndpointClient:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             # llama.cpp: compute every prompt again (a cached prefix would make "solo twice" trivial),
-            # except a `warm` request of the prefix-cache axis, which reuses the cached prompt.
-            **({"cache_prompt": warm is not None} if info.takes_cache_prompt else {}),
+            # except a `warm` request of the prefix-cache axis, which reuses the cached prompt. The
+            # pair's `fill` computes its whole prompt afresh too (llama.cpp keeps it in the slot all
+            # the same): a cached request would reuse whatever prefix the slot held before, so the
+            # warm answer would depend on the requests sent before the pair, not on the prompt alone.
+            **({"cache_prompt": warm is not None and not fill} if info.takes_cache_prompt else {}),
             **({"cache_salt": warm or uuid.uuid4().hex} if self.options.salted and not info.takes_cache_prompt else {}),
         }
 
     async def complete(
-        self, prompt_ids: list[int], prompt_text: str, max_tokens: int, warm: str | None = None
+        self, prompt_ids: list[int], prompt_text: str, max_tokens: int, warm: str | None = None, fill: bool = False
     ) -> Decoded:
         """One greedy completion; `warm` (a key that requests sharing a cache share): the server may
         reuse the prompt cached by an earlier request with the same key (llama.cpp's cache_prompt;
-        vLLM's cache_salt when `salted`; otherwise the server caches as it was started to)."""
+        vLLM's cache_salt when `salted`; otherwise the server caches as it was started to); `fill`:
+        the key's first request, its prompt computed afresh and left cached for the next."""
         info = self.info
         prompt = prompt_ids if info.prompt_format == "token-ids" else prompt_text
         response = await self._request(
-            "POST", "/completions", "a completion", json=self._body(info, prompt, max_tokens, warm)
+            "POST", "/completions", "a completion", json=self._body(info, prompt, max_tokens, warm, fill)
         )
         return self._parse(response, "a completion", info)
 
