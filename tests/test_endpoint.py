@@ -304,9 +304,9 @@ def rows_by_axis(summary) -> dict:
 
 def test_prefix_cache_axis_catches_a_planted_warm_near_tie_at_its_margin_and_passes_without_it(tmp_path):
     """Must fail: a llama.cpp-shaped stub whose cached prompt (cache_prompt, after the pair's first
-    sending computed it afresh) moves the token at step 3 at a planted margin of 0.0625: every request diverges there on the
-    prefix-cache axis, the flip's margin is the planted one, and the batch axis stays clean. Must
-    pass: the same stub without the plant."""
+    sending computed it afresh) moves the token at step 3 at a planted margin of 0.0625: every
+    request diverges there on the prefix-cache axis, the flip's margin is the planted one, and the
+    batch axis stays clean. Must pass: the same stub without the plant."""
     with StubServer(StubState(llamacpp=True, warm_flip=(3, 0.0625))) as server:
         result = flips(server.url, tmp_path / "warm", "--axes", "batch,prefix-cache")
         bodies = list(server.state.bodies)
