@@ -240,16 +240,16 @@ def test_calibrate_on_planted_flips_puts_tau_above_every_flip(tmp_path, monkeypa
 
     plant_every_loaded_model(monkeypatch, delta=0.5)
     monkeypatch.setenv("MGBENCH_TRACES", str(tmp_path / "traces"))
-    arguments = ["calibrate", "--dataset", "math500", "--limit", "4", "--batch-size", "4", "--max-new-tokens", "12"]
-    arguments += ["--transfer", "gsm8k", "--out", str(tmp_path / "a")]
-    result = runner.invoke(app, arguments)
+    audit = ["calibrate", "--dataset", "math500", "--limit", "4", "--batch-size", "4", "--max-new-tokens", "12"]
+    audit += ["--transfer", "gsm8k"]
+    result = runner.invoke(app, [*audit, "--out", str(tmp_path / "a")])
     assert result.exit_code == 0, result.output
     document = json.loads((tmp_path / "a" / "calibration.json").read_text())
     assert document["flips"] > 0
     assert document["per_unit"]["logit"]["max_flip_margin"] < 0.5
     assert document["tau"] > document["per_unit"]["logit"]["max_flip_margin"]
     assert [r["dataset"] for r in document["transfer"]] == ["gsm8k", "gsm8k"]
-    again = runner.invoke(app, [*arguments[:-1], str(tmp_path / "b")])  # the same audit: its traces are reused
+    again = runner.invoke(app, [*audit, "--out", str(tmp_path / "b")])  # the same audit: its traces are reused
     assert again.exit_code == 0 and "math500: reused cached traces" in again.stderr, again.output
     assert json.loads((tmp_path / "b" / "calibration.json").read_text())["tau"] == document["tau"]
 

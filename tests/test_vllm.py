@@ -29,7 +29,14 @@ runner = CliRunner()
 # takes about 2.5 s, mostly its prefill, and the three-axis audit sends each request 7 times;
 # divergence, margins and drift are compared per request and step, whatever the count.
 REQUESTS, TOKENS = 2, 8
-AUDIT = ["flips", "--dataset", "gsm8k", "--limit", str(REQUESTS), "--batch-size", "2", "--max-new-tokens", str(TOKENS)]
+
+
+def audit_args(batch_size: int = 2) -> list[str]:
+    limits = ["--limit", str(REQUESTS), "--batch-size", str(batch_size), "--max-new-tokens", str(TOKENS)]
+    return ["flips", "--dataset", "gsm8k", *limits]
+
+
+AUDIT = audit_args()
 TOP = 5
 
 
@@ -249,8 +256,7 @@ def test_server_killed_mid_run_then_resume_equals_uninterrupted(vllm, audited, t
     """Kills the session's server mid-run, restarts it on the same port (whatever happens, so the
     tests after this one find it up), resumes."""
     out = tmp_path / "run"
-    # batch size 1: the 2 requests make 2 groups, so a group is left to redo after the first commit
-    audit = [*AUDIT[: AUDIT.index("--batch-size") + 1], "1", *AUDIT[AUDIT.index("--batch-size") + 2 :]]
+    audit = audit_args(batch_size=1)  # the 2 requests make 2 groups: one is left to redo after the first commit
     command = [sys.executable, "-m", "mgbench", *audit, "--endpoint", vllm.url, "--out", str(out)]
     try:
         code, stderr, committed = kill_server_after_first_commit(command, out, vllm)
