@@ -27,11 +27,10 @@ if [[ -z "${MGBENCH_MODEL_DIR:-}" ]]; then
   MGBENCH_MODEL_DIR="$("$MGBENCH_PYTHON" -c 'from mgbench.assets.models import resolve_source; print(resolve_source("smollm2-135m"))')"
 fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
-# Prefix caching off unless --prefix-caching: a request repeated alone (the audit's solo repeat)
-# must be computed again, not answered from the first one's cached K/V, or "solo twice is
-# identical" would prove nothing. On, every request after the first may hit the cache (vLLM has no
-# per-request switch): the audit's solo answers are then partly warm, and its prefix-cache axis
-# compares each request with itself sent again, warm.
+# Prefix caching off unless --prefix-caching (vLLM's own default is on). mgbench's audit is cold
+# either way: every request it means to compute afresh carries a cache_salt of its own, which vLLM
+# hashes into each cached block, and only its prefix-cache axis's warm pair shares one. Off, a
+# client that sends no salt (curl, a bare benchmark) gets a repeated prompt computed again too.
 CACHING=--no-enable-prefix-caching
 ARGS=()
 for arg in "$@"; do

@@ -7,7 +7,8 @@ logprob}]}`, GET /props and no /version).
 `mode` picks a fault: "ok", "not-openai", "no-logprobs", "text-keys", "http-500", "drop"
 (close the connection without an answer), "slow" (sleep `delay` seconds, then answer),
 "not-json" (HTTP 200 with an HTML body), "unstable" (a prompt's every answer differs from its
-last one at step 1: a server not deterministic alone); `short_at` ends every answer after that
+last one at step 1: a server not deterministic alone), "strict" (HTTP 400 for a request that
+carries cache_salt, as a server that refuses fields it does not know); `short_at` ends every answer after that
 many tokens (finish_reason "stop");
 `fail_after` lets that many completions succeed first. Bound to 127.0.0.1 on a free port;
 `stop()` shuts it down.
@@ -58,10 +59,11 @@ class StubState:
         # (as another node's server might answer).
         self.shift_at = shift_at
         self.delay, self.short_at = delay, short_at
-        # PLANTED PREFIX-CACHE VARIANCE (`warm_flip` = (step, margin)): a completion that allows the
-        # prompt cache (llama.cpp's cache_prompt) for a prompt already answered in this run (either
-        # way, as a llama.cpp slot keeps every prompt) finds it cached: its token at `step` moves by
-        # one, with a top-1/top-2 margin of `margin`.
+        # PLANTED PREFIX-CACHE VARIANCE (`warm_flip` = (step, margin)): a completion that finds its
+        # prompt cached moves its token at `step` by one, with a top-1/top-2 margin of `margin`.
+        # llama.cpp-shaped: a cache_prompt request whose prompt was answered before in this run
+        # (either way, as a slot keeps every prompt). vLLM-shaped (prefix cache on): any request
+        # whose prompt an earlier one with the same cache_salt, or none, left cached.
         self.warm_flip, self.cached = warm_flip, set()
         # PLANTED RUN-TO-RUN VARIANCE (`flip_on_sending` = n): a prompt's n-th full-length completion
         # of a run (its load's second run, in an audit of the repeat axis alone) flips at step 2, as a
@@ -102,9 +104,10 @@ def _warm_flip(state: StubState, body: dict, ids: list[int]) -> tuple[int, float
     """(step, margin) of the planted prefix-cache flip where this completion hits the stub's cache."""
     if state.warm_flip is None or int(body["max_tokens"]) <= 2:
         return None
-    with state.lock:  # as llama.cpp's slot: every prompt is kept, only a cache_prompt request reuses it
-        hit = tuple(ids) in state.cached and bool(body.get("cache_prompt"))
-        state.cached.add(tuple(ids))
+    key = (body.get("cache_salt"), tuple(ids))
+    with state.lock:
+        hit = key in state.cached and (bool(body.get("cache_prompt")) or not state.llamacpp)
+        state.cached.add(key)
     return state.warm_flip if hit else None
 
 
@@ -205,6 +208,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if body["model"] not in state.models:
             self._send(404, {"error": {"message": f"The model `{body['model']}` does not exist.", "code": 404}})
+            return
+        if state.mode == "strict" and "cache_salt" in body:  # as a server that refuses unknown fields
+            self._send(400, {"error": {"message": "Unrecognized request argument supplied: cache_salt"}})
             return
         with state.lock:
             state.bodies.append(body)

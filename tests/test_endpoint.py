@@ -302,14 +302,16 @@ def rows_by_axis(summary) -> dict:
     return {row["axis"]: row for row in summary["by_batch_size"]}
 
 
-def test_prefix_cache_axis_catches_a_planted_warm_near_tie_at_its_margin_and_passes_without_it(tmp_path):
-    """Must fail: a llama.cpp-shaped stub whose cached prompt (cache_prompt, after the pair's first
-    sending computed it afresh) moves the token at step 3 at a planted margin of 0.0625: every
-    request diverges there on the prefix-cache axis, the flip's margin is the planted one, and the
-    batch axis stays clean. Must pass: the same stub without the plant."""
-    with StubServer(StubState(llamacpp=True, warm_flip=(3, 0.0625))) as server:
+@pytest.mark.parametrize("llamacpp", [True, False], ids=["llama.cpp", "vLLM"])
+def test_prefix_cache_axis_catches_a_planted_warm_near_tie_at_its_margin_and_passes_without_it(llamacpp, tmp_path):
+    """Must fail: a stub whose cached prompt moves the token at step 3 at a planted margin of
+    0.0625 (llama.cpp-shaped: a cache_prompt request after the pair's first sending computed it
+    afresh; vLLM-shaped: a request after one with its cache_salt): every request diverges there on
+    the prefix-cache axis, the flip's margin is the planted one, and the batch axis stays clean.
+    Must pass: the same stub without the plant."""
+    with StubServer(StubState(llamacpp=llamacpp, warm_flip=(3, 0.0625))) as server:
         result = flips(server.url, tmp_path / "warm", "--axes", "batch,prefix-cache")
-        bodies = list(server.state.bodies)
+        bodies = [b for b in server.state.bodies if int(b["max_tokens"]) > 2]
     assert result.exit_code == 0, result.output
     rows = rows_by_axis(json.loads(result.stdout))
     assert rows["prefix-cache"]["sequences_diverged"] == 4 and rows["prefix-cache"]["flips"] == 4
@@ -318,27 +320,45 @@ def test_prefix_cache_axis_catches_a_planted_warm_near_tie_at_its_margin_and_pas
     sequences = pd.read_parquet(tmp_path / "warm" / "sequences.parquet")
     warm = sequences[sequences["axis"] == "prefix-cache"]
     assert (warm["first_divergence"] == 3).all() and (warm["batch_size"] == 1).all()
-    # one cache_prompt request per request (the warm one); every other, the pair's first included, false
-    warm_bodies = [b for b in bodies if b.get("cache_prompt")]
-    assert len(warm_bodies) == 4 and sum(b.get("cache_prompt") is False for b in bodies) == len(bodies) - 4
+    if llamacpp:  # one cache_prompt request per request (the warm one); every other, the pair's first included, false
+        assert sum(bool(b.get("cache_prompt")) for b in bodies) == 4
+        assert sum(b.get("cache_prompt") is False for b in bodies) == len(bodies) - 4
+        assert all("cache_salt" not in b for b in bodies)
+    else:  # every request a salt of its own, but each warm pair one it shares
+        salts = Counter(b["cache_salt"] for b in bodies)
+        assert sorted(Counter(salts.values()).items()) == [(1, len(bodies) - 8), (2, 4)]
+        assert all("cache_prompt" not in b for b in bodies)
 
-    with StubServer(StubState(llamacpp=True)) as server:
+    with StubServer(StubState(llamacpp=llamacpp)) as server:
         clean = flips(server.url, tmp_path / "cold", "--axes", "batch,prefix-cache", "--require-determinism", "1")
     assert clean.exit_code == 0, clean.output
     assert all(r["determinism"] == 1.0 for r in rows_by_axis(json.loads(clean.stdout)).values())
 
 
-def test_prefix_cache_axis_salts_a_server_that_caches_by_its_launch_flag(tmp_path):
-    """vLLM caches whatever a request says: on the prefix-cache axis every cold request carries a
-    cache_salt of its own (it cannot hit what others cached) and each warm pair shares one."""
-    with StubServer() as server:
-        result = flips(server.url, tmp_path / "salted", "--axes", "batch,prefix-cache")
-        bodies = [b for b in server.state.bodies if int(b["max_tokens"]) > 2]
-    assert result.exit_code == 0, result.output
-    salts = Counter(b["cache_salt"] for b in bodies)
-    warm = [salt for salt, n in salts.items() if n > 1]
-    assert len(warm) == 4 and all(salts[salt] == 2 for salt in warm) and len(salts) == len(bodies) - 4
-    assert all("cache_prompt" not in b for b in bodies)
+def test_the_batch_axis_stays_cold_on_a_server_whose_prefix_cache_is_on(tmp_path):
+    """Must pass: a vLLM-shaped stub with its prefix cache on and a planted warm flip, audited on
+    the batch axis alone: every request carries a cache_salt of its own, so none is answered warm.
+    Must fail: the same stub refusing cache_salt (HTTP 400 naming it): mgbench goes on unsalted
+    and says so, and the repeated sendings come back warm: solo twice differs for every request."""
+    with StubServer(StubState(warm_flip=(3, 0.0625))) as server:
+        cold = flips(server.url, tmp_path / "cold", "--require-determinism", "1")
+        salts = [b.get("cache_salt") for b in server.state.bodies]
+    assert cold.exit_code == 0, cold.output
+    summary = json.loads(cold.stdout)
+    assert summary["solo_repeat"] == {**summary["solo_repeat"], "deterministic": True}
+    assert rows_by_axis(summary)["batch"]["determinism"] == 1.0
+    assert None not in salts and len(set(salts)) == len(salts)
+    manifest = json.loads((tmp_path / "cold" / "manifest.json").read_text())
+    assert manifest["endpoint"]["cold_requests"] == "cache_salt of its own"
+
+    with StubServer(StubState(mode="strict", warm_flip=(3, 0.0625))) as server:
+        warm = flips(server.url, tmp_path / "warm")
+    assert warm.exit_code == 0, warm.output
+    summary = json.loads(warm.stdout)
+    assert summary["solo_repeat"]["deterministic"] is False
+    manifest = json.loads((tmp_path / "warm" / "manifest.json").read_text())
+    assert manifest["endpoint"]["cold_requests"] == "as the server caches (cache_salt refused)"
+    assert any("cache_salt refused (Unrecognized request argument" in note for note in manifest["endpoint"]["notes"])
 
 
 def test_repeat_axis_catches_a_load_answered_otherwise_the_second_time_and_passes_without_it(tmp_path):

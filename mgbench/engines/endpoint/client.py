@@ -38,10 +38,6 @@ class EndpointOptions:
     needle: bool = False
     label: str | None = None  # the engine's name in reports (default: server, version, model)
     replica: int | None = None  # its index among the replicas of `--endpoint URL1,URL2,...` (None: one server)
-    # The prefix-cache axis over a server that caches by its own launch flag (vLLM): every cold request
-    # carries a cache_salt of its own, so it cannot hit what earlier requests cached, and a warm
-    # pair shares one (llama.cpp is told per request instead: cache_prompt).
-    salted: bool = False
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -78,11 +74,25 @@ class ServerInfo:
     prompt_format: str = "token-ids"  # or "text", for a server that refuses token-id prompts
     notes: list[str] = field(default_factory=list)
     props: dict | None = None  # llama.cpp's GET /props (slots, build, generation defaults)
+    salt_refused: bool = False  # the first completion was refused for its cache_salt
 
     @property
     def takes_cache_prompt(self) -> bool:
         """llama.cpp (it answers /props) reuses a cached prompt prefix unless told not to."""
         return self.props is not None
+
+    @property
+    def takes_cache_salt(self) -> bool:
+        """Any other server (vLLM's prefix cache is on by default) is sent a cache_salt, which
+        vLLM hashes into every cached block: a request can only hit what one with its salt left."""
+        return not self.takes_cache_prompt and not self.salt_refused
+
+    @property
+    def cold_requests(self) -> str:
+        """How a request meant to be computed afresh is kept off the server's prefix cache."""
+        if self.takes_cache_prompt:
+            return "cache_prompt false"
+        return "cache_salt of its own" if self.takes_cache_salt else "as the server caches (cache_salt refused)"
 
     def to_dict(self) -> dict:
         return {
@@ -93,6 +103,7 @@ class ServerInfo:
             "system_fingerprint": self.system_fingerprint,
             "prompt_format": self.prompt_format,
             "notes": self.notes,
+            "cold_requests": self.cold_requests,
             **({"props": self.props} if self.props is not None else {}),
         }
 
@@ -222,8 +233,18 @@ class EndpointClient:
         """Discover the server and check, with one short completion, that it takes token-id
         prompts (else text, said in the manifest) and returns top-k logprobs by token id."""
         info = await self.discover()
-        body = self._body(info, first_prompt, 2)
-        response = await self._request("POST", "/completions", "the first completion", json=body)
+        response = await self._request(
+            "POST", "/completions", "the first completion", json=self._body(info, first_prompt, 2)
+        )
+        if response.status_code == 400 and "cache_salt" in server_message(response):
+            info.salt_refused = True
+            info.notes.append(
+                f"cache_salt refused ({server_message(response)[:120]}): a request repeated may be "
+                "answered from the server's prefix cache, if it has one on"
+            )
+            response = await self._request(
+                "POST", "/completions", "the first completion", json=self._body(info, first_prompt, 2)
+            )
         if response.status_code == 400 and _refuses_token_ids(server_message(response)):
             info.prompt_format = "text"
             info.notes.append(f"token-id prompts refused ({server_message(response)[:120]}): prompts sent as text")
@@ -247,13 +268,14 @@ class EndpointClient:
             # vLLM: the emitted ids, and top logprobs keyed by id (ids that decode alike do not collapse).
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
-            # llama.cpp: compute every prompt again (a cached prefix would make "solo twice" trivial),
-            # except a `warm` request of the prefix-cache axis, which reuses the cached prompt. The
-            # pair's `fill` computes its whole prompt afresh too (llama.cpp keeps it in the slot all
-            # the same): a cached request would reuse whatever prefix the slot held before, so the
-            # warm answer would depend on the requests sent before the pair, not on the prompt alone.
+            # Every request is computed afresh (a cached prefix would make "solo twice" trivial and
+            # the batched answer partly warm), except a `warm` request of the prefix-cache axis,
+            # which reuses its pair's first. llama.cpp: cache_prompt false; its pair's `fill` is
+            # false too, since a slot keeps every prompt all the same and a first true would reuse
+            # whatever prefix the requests before it left. Other servers (vLLM): a cache_salt of
+            # the request's own, the warm pair one they share.
             **({"cache_prompt": warm is not None and not fill} if info.takes_cache_prompt else {}),
-            **({"cache_salt": warm or uuid.uuid4().hex} if self.options.salted and not info.takes_cache_prompt else {}),
+            **({"cache_salt": warm or uuid.uuid4().hex} if info.takes_cache_salt else {}),
         }
 
     async def complete(
@@ -261,7 +283,7 @@ class EndpointClient:
     ) -> Decoded:
         """One greedy completion; `warm` (a key that requests sharing a cache share): the server may
         reuse the prompt cached by an earlier request with the same key (llama.cpp's cache_prompt;
-        vLLM's cache_salt when `salted`; otherwise the server caches as it was started to); `fill`:
+        vLLM's cache_salt; a server that refused cache_salt caches as it was started to); `fill`:
         the key's first request, its prompt computed afresh and left cached for the next."""
         info = self.info
         prompt = prompt_ids if info.prompt_format == "token-ids" else prompt_text
