@@ -23,8 +23,9 @@ from pathlib import Path
 
 from mgbench.assets import datasets
 from mgbench.assets.models import load_tokenizer
-from mgbench.engines.endpoint.client import EndpointClient, EndpointOptions, release_together
+from mgbench.engines.endpoint.client import EndpointClient, EndpointOptions
 from mgbench.engines.endpoint.local_server import LocalServer
+from mgbench.engines.endpoint.release import release_together
 
 
 def bare_pass(url: str, model: str, prompts: list[list[int]], batch: int, tokens: int) -> tuple[int, float]:

@@ -24,10 +24,23 @@ def math500_prompts(default_lm):
     return [datasets.encode(default_lm.tokenizer, config, datasets.prompt_text(config, r)) for r in records]
 
 
+@pytest.fixture(scope="session")
+def math500_prefills(default_lm, math500_prompts):
+    """Each of math500_prompts prefilled alone on the stock kernels: what a solo run, a probe and
+    an `alone` batch start from (about 4 s on 2 AVX2 cores). mgbench never writes to a RowPrefill
+    (its decoders clone the layers), so the tests share them as its runs do."""
+    import torch
+
+    from mgbench.engines.inprocess.kernels.sets import row_prefills
+
+    with torch.inference_mode():
+        return row_prefills(default_lm.model, [torch.tensor(p) for p in math500_prompts])
+
+
 # Markers say what a test costs (pyproject.toml): a test that asks for the real default model is
 # marked slow here; one that loads it some other way (a CLI run on the default model) without the
 # mark fails, naming the marker it lacks.
-MODEL_FIXTURES = {"default_lm", "math500_prompts"}
+MODEL_FIXTURES = {"default_lm", "math500_prompts", "math500_prefills"}
 _running = {"slow": True}
 
 

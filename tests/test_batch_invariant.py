@@ -179,7 +179,7 @@ def test_probe_command_writes_probe_json(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_default_model_batch_invariant_mode_is_solo_bitwise(default_lm, math500_prompts):
+def test_default_model_batch_invariant_mode_is_solo_bitwise(default_lm, math500_prompts, math500_prefills):
     """The real default model, real MATH500 prompts: under the plan probed on this machine every
     teacher-forced logit row and every free-running token equals solo. What plain batched decoding
     of the same batch does here is printed and asserted as agreement with plain HF calls."""
@@ -187,7 +187,7 @@ def test_default_model_batch_invariant_mode_is_solo_bitwise(default_lm, math500_
     prompts = [torch.tensor(p) for p in math500_prompts]
     with torch.inference_mode():
         probe = probe_model(model, max(prompts, key=len), rows=len(prompts))
-        solos = [run_solo(model, p, 16, set()) for p in prompts]
+        solos = [run_solo(model, p, 16, set(), prefill=q) for p, q in zip(prompts, math500_prefills)]
         plain = run_teacher_forced(model, prompts, solos, "alone", 2)
         forced = run_teacher_forced(
             model, prompts, solos, "alone", 2, batch_mode=lambda: decoding_mode(model, prompts, probe.plan)

@@ -14,7 +14,7 @@ from helpers import VOCAB, cli_args, plant_near_ties, random_prompts, tiny_llama
 from mgbench.engines.inprocess.kernels import fixed_order
 from mgbench.engines.inprocess.kernels.aligned_cache import StartAlignedCache, StockAlignedCache
 from mgbench.engines.inprocess.kernels.fixed_order_probe import probe_fixed_order
-from mgbench.engines.inprocess.kernels.sets import Kernels, row_prefills
+from mgbench.engines.inprocess.kernels.sets import Kernels
 from mgbench.engines.inprocess.runners import run_solo
 from mgbench.engines.inprocess.verification.loop import run_free
 from mgbench.engines.inprocess.verification.replay import ReplayRepair
@@ -162,21 +162,23 @@ def test_a_packed_verify_batch_equals_its_rows_replayed_alone_bitwise():
 
 
 @pytest.mark.slow
-def test_default_model_replay_equals_its_fixed_order_steps(default_lm, math500_prompts):
+def test_default_model_replay_equals_its_fixed_order_steps(default_lm, math500_prompts, math500_prefills):
     model = default_lm.model
     prompts = [torch.tensor(p) for p in math500_prompts]
-    per_row, packed = PolicySpec("window", "replay", rows=1), PolicySpec("window", "replay", window=8)  # 1..64; 8 x 8
+    # Alone, a row replays at most its STEPS tokens: calls of 1..STEPS rows, probed (the default
+    # W = 64 would probe 1..64, most never made here: 32 s of the probe on a 2-core AVX2 EPYC).
+    per_row, packed = PolicySpec("window", "replay", rows=1, window=STEPS), PolicySpec("window", "replay", window=8)
     with torch.inference_mode():
         # Planned for the replays' calls too: on an AMX Xeon a 64-row call takes another oneDNN
         # kernel than the 4-row batch (a plan probed at 4 rows only is refused for these replays).
         calls = sorted({*per_row.verify_calls, *packed.verify_calls})
-        prefills = row_prefills(model, prompts)  # stock, alone: the probes and the solos share them
+        prefills = math500_prefills  # stock, alone: the probes and the solos share them
         probe = probe_fixed_order(model, prompts, rows=4, calls=calls, verify_rows=8, chunk_tokens=8, prefills=prefills)
         assert probe.chunk_vs_steps["exact"]
         kernels = Kernels("fixed-order", probe.plan)
         with kernels.active(model):
             solos = [run_solo(model, p, STEPS, set(), kernels, prefill) for p, prefill in zip(prompts, prefills)]
-    for row, solo in zip(replay_solo_tokens(model, kernels, prompts, solos), solos):
+    for row, solo in zip(replay_solo_tokens(model, kernels, prompts, solos, per_row), solos):
         assert row.rollbacks == 0 and row.verified == len(solo.tokens)
     result = verified(model, prompts, kernels, solos, packed)
     assert result.tokens == [s.tokens.tolist() for s in solos]

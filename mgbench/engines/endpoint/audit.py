@@ -23,7 +23,8 @@ from mgbench.analysis.divergence import (
     step_margins,
 )
 from mgbench.assets.needle import batch_layouts
-from mgbench.engines.endpoint.client import EndpointClient, release_staggered, release_together
+from mgbench.engines.endpoint.client import EndpointClient
+from mgbench.engines.endpoint.release import release_staggered, release_together
 from mgbench.engines.interface import AuditRecords
 from mgbench.runs.groups import batch_id_base
 

@@ -8,11 +8,8 @@ timeout) becomes one EndpointError line that names the server and what to do.
 
 from __future__ import annotations
 
-import asyncio
-import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 from urllib.parse import urlsplit
 
 import httpx
@@ -371,46 +368,3 @@ def _content_entries(content: list, what: str, url: str) -> tuple[list[int], lis
             f"{what}: {url} returned logprobs.content entries without token ids (id, top_logprobs[].id)"
         ) from None
     return ids, tops
-
-
-async def release_staggered(calls: list[Callable[[], Awaitable]], gap: float) -> list:
-    """Run the calls concurrently, call i released `i * gap` seconds after the first (arrival order
-    then decides what the server batches together, as under real load); results in order. The
-    first failure cancels the rest."""
-
-    async def one(index, call):
-        await asyncio.sleep(index * gap)
-        return await call()
-
-    tasks = [asyncio.ensure_future(one(index, call)) for index, call in enumerate(calls)]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-async def release_together(calls: list[Callable[[], Awaitable]]) -> tuple[list, float]:
-    """Run the calls concurrently, all released at one instant so the server's scheduler batches
-    them; (results in order, seconds from release to the last answer). The first failure cancels
-    the rest."""
-    gate = asyncio.Event()
-
-    async def one(call):
-        await gate.wait()
-        return await call()
-
-    tasks = [asyncio.ensure_future(one(call)) for call in calls]
-    await asyncio.sleep(0)  # every task is now waiting at the gate
-    started = time.perf_counter()
-    gate.set()
-    try:
-        answers = await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-    return answers, time.perf_counter() - started

@@ -111,12 +111,14 @@ class LocalServer:
                     f"server exited with code {self.process.returncode} before answering; log tail:\n{self.log_tail()}"
                 )
             try:
-                with urllib.request.urlopen(self.url + "/models", timeout=5) as response:
+                # A ready server lists its models in milliseconds; a short wait keeps a port that
+                # accepts but never answers (taken by another process) from stalling the port check.
+                with urllib.request.urlopen(self.url + "/models", timeout=1) as response:
                     if response.status == 200:
                         return time.monotonic() - started
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
-            time.sleep(1.0)
+            time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"server did not answer within {timeout:.0f} s; log tail:\n{self.log_tail()}")
 

@@ -55,18 +55,38 @@ def fixed_order_attention(
     these arguments when the caller keeps it (one per step and window)."""
     n, batch, kv_heads, chunk, width = values.shape
     heads, q = query.shape[1], query.shape[2]
+    hiding, visible = masks if masks is not None else key_masks(positions, n, chunk, window)
+    if q > 1:
+        # One query token at a time: each is then the very call a decode step makes (its products'
+        # items and shapes), and K/V are not copied once per query token (expanded over q, a
+        # replay window of 64 tokens copied the cache 64 times: most of a packed replay's time).
+        return torch.cat(
+            [
+                fixed_order_attention(
+                    query[:, :, i : i + 1],
+                    keys,
+                    values,
+                    positions[:, i : i + 1],
+                    scaling,
+                    window,
+                    softcap,
+                    (hiding[:, :, i : i + 1], visible[:, :, i : i + 1]),
+                )
+                for i in range(q)
+            ],
+            dim=1,
+        )
     group, head_dim = heads // kv_heads, query.shape[-1]
-    items = n * batch * q * kv_heads
+    items = n * batch * kv_heads
     # The scaling goes into the query (one [B, heads, q, d] product instead of one over every score);
     # exact when it is a power of two, as 1/sqrt(head_dim) is for head_dim 64 or 256.
     qf = (query.float() * scaling).view(batch, kv_heads, group, q, head_dim).permute(0, 3, 1, 2, 4)
     qe = qf.unsqueeze(0).expand(n, batch, q, kv_heads, group, head_dim).reshape(items, group, head_dim)
-    ke = keys.unsqueeze(2).expand(n, batch, q, kv_heads, head_dim, chunk).reshape(items, head_dim, chunk)
-    ve = values.unsqueeze(2).expand(n, batch, q, kv_heads, chunk, width).reshape(items, chunk, width)
+    ke = keys.reshape(items, head_dim, chunk)  # q = 1: views of the cache, no copy
+    ve = values.reshape(items, chunk, width)
     scores = torch.bmm(qe, ke).view(n, batch, q, kv_heads, group, chunk)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    hiding, visible = masks if masks is not None else key_masks(positions, n, chunk, window)
     top = torch.add(scores, hiding).amax(dim=(0, 5), keepdim=True)  # a max is exact in any order
     # Visible keys get exp(score - top), clamped at exp(-87) ~ 1.7e-38 from below (a term that
     # small vanishes beside the top key's 1 in every sum; the same clamp alone and in any batch).
