@@ -50,6 +50,41 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+def pytest_collection_finish(session):
+    """Start the real servers the selected tests ask for now, so they come up while the first tests
+    run (tests/servers.py); none for the fast loop or --collect-only."""
+    import tempfile
+
+    import servers
+
+    fixtures = {name for item in session.items for name in item.fixturenames}
+    if fixtures & {servers.VLLM, servers.LLAMACPP} and not session.config.option.collectonly:
+        servers.start_for(fixtures, Path(tempfile.mkdtemp(prefix="mgbench-test-servers-")))
+
+
+def pytest_sessionfinish(session):
+    import servers
+
+    servers.stop_all()
+
+
+@pytest.fixture(scope="session")
+def vllm():
+    """vLLM's CPU server of the default model, eager, its prefix cache on (its default), as
+    `examples/serve_vllm_cpu.sh --prefix-caching` starts it."""
+    import servers
+
+    return servers.ready(servers.VLLM)
+
+
+@pytest.fixture(scope="session")
+def llamacpp_servers():
+    """{"np1": llama.cpp with one slot, "np8": with eight}, the default model's bf16 GGUF."""
+    import servers
+
+    return servers.ready(servers.LLAMACPP, timeout=300)
+
+
 def pytest_runtest_setup(item):
     # before any fixture of the test, module- and session-scoped ones included, is set up
     _running["slow"] = item.get_closest_marker("slow") is not None

