@@ -50,39 +50,48 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
-def pytest_collection_finish(session):
-    """Start the real servers the selected tests ask for now, so they come up while the first tests
-    run (tests/servers.py); none for the fast loop or --collect-only."""
-    import tempfile
-
-    import servers
-
-    fixtures = {name for item in session.items for name in item.fixturenames}
-    if fixtures & {servers.VLLM, servers.LLAMACPP} and not session.config.option.collectonly:
-        servers.start_for(fixtures, Path(tempfile.mkdtemp(prefix="mgbench-test-servers-")))
-
-
-def pytest_sessionfinish(session):
-    import servers
-
-    servers.stop_all()
-
-
 @pytest.fixture(scope="session")
-def vllm():
+def vllm(tmp_path_factory):
     """vLLM's CPU server of the default model, eager, its prefix cache on (its default), as
-    `examples/serve_vllm_cpu.sh --prefix-caching` starts it."""
-    import servers
+    `examples/serve_vllm_cpu.sh --prefix-caching` starts it: on a free loopback port, stopped by its
+    PID. Started when the first test needs it: begun with the session, its start-up (most of 2
+    cores for about 45 s) slowed the in-process tests beside it by as much as it saved."""
+    from helpers import vllm_venv_ready
 
-    return servers.ready(servers.VLLM)
+    from mgbench.engines.endpoint.local_server import LocalServer
+
+    vllm_venv_ready()
+    server = LocalServer.vllm_cpu(tmp_path_factory.mktemp("vllm") / "server.log", extra_args=["--prefix-caching"])
+    try:
+        server.start().wait_ready()
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
-def llamacpp_servers():
-    """{"np1": llama.cpp with one slot, "np8": with eight}, the default model's bf16 GGUF."""
-    import servers
+def llamacpp_servers(tmp_path_factory):
+    """{"np1": llama.cpp with one slot, "np8": with eight}, the default model's bf16 GGUF, started
+    together when the first test needs them, each on a free loopback port, stopped by its PID."""
+    from mgbench.engines.endpoint.local_server import LocalServer, llamacpp_build
 
-    return servers.ready(servers.LLAMACPP, timeout=300)
+    server, gguf = llamacpp_build()
+    if not server.exists() or not gguf.exists():
+        pytest.fail(f"no llama.cpp build at {server} (or no GGUF at {gguf}): run `make llamacpp` (make test does)")
+    logs = tmp_path_factory.mktemp("llamacpp")
+    servers = {
+        "np1": LocalServer.llamacpp(logs / "np1.log", extra_args=["-np", "1"]),
+        "np8": LocalServer.llamacpp(logs / "np8.log"),
+    }
+    try:
+        for started in servers.values():
+            started.start()
+        for started in servers.values():
+            started.wait_ready(timeout=300)
+        yield servers
+    finally:
+        for started in servers.values():
+            started.stop()
 
 
 def pytest_runtest_setup(item):

@@ -387,3 +387,13 @@ def kill_server_after_first_commit(command: list[str], out, server) -> tuple[int
         for table in ("steps", "sequences")
     }
     return running.returncode, stderr, committed
+
+
+def vllm_venv_ready() -> None:
+    """A failure, not a skip, where `make vllm` has not run (make test and .ci/run run it)."""
+    import pytest
+
+    from mgbench.engines.endpoint.local_server import VLLM_VENV
+
+    if not (VLLM_VENV / "bin" / "python").exists():
+        pytest.fail(f"no vLLM venv at {VLLM_VENV}: run `make vllm` (make test does) before these tests")

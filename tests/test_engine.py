@@ -26,6 +26,10 @@ def solos_of(model, prompts, steps):
         return [run_solo(model, p, steps, set()) for p in prompts]
 
 
+# `full`: make test checks the default model's solo tokens against `generate` in
+# tests/test_independent_figures.py (4 math500 prompts, 12 steps), and the solo runner's against
+# `generate` on tiny models here (test_natural_batch_agrees_with_independent_loop).
+@pytest.mark.full
 @pytest.mark.slow
 def test_solo_runner_reproduces_hf_generate_on_default_model(default_lm, math500_prompts):
     model, tokenizer = default_lm.model, default_lm.tokenizer
@@ -98,6 +102,7 @@ def test_natural_batch_agrees_with_independent_loop(lengths, prefill, capsys):
     prompts = random_prompts(lengths, vocab=VOCAB, seed=3)
     independent = plain_flip_audit(model, prompts, 24, prefill)
     solos = solos_of(model, prompts, 24)
+    assert [s.tokens.tolist() for s in solos] == independent["solo_tokens"].tolist()  # the solo runner is generate
     with torch.inference_mode():
         result = run_teacher_forced(model, prompts, solos, prefill, PAD_ID)
         free = run_free(model, prompts, [s.row_prefill for s in solos], prefill, PAD_ID, 24, set())

