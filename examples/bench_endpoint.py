@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,6 +42,8 @@ def bare_pass(url: str, model: str, prompts: list[list[int]], batch: int, tokens
                 "logprobs": 5,
                 "return_token_ids": True,
                 "return_tokens_as_token_ids": True,
+                # computed afresh, as mgbench's requests are (vLLM's prefix cache is on by default)
+                "cache_salt": uuid.uuid4().hex,
             }
         ).encode()
         request = urllib.request.Request(url + "/completions", body, {"Content-Type": "application/json"})

@@ -7,8 +7,9 @@ logprob}]}`, GET /props and no /version).
 `mode` picks a fault: "ok", "not-openai", "no-logprobs", "text-keys", "http-500", "drop"
 (close the connection without an answer), "slow" (sleep `delay` seconds, then answer),
 "not-json" (HTTP 200 with an HTML body), "unstable" (a prompt's every answer differs from its
-last one at step 1: a server not deterministic alone), "strict" (HTTP 400 for a request that
-carries cache_salt, as a server that refuses fields it does not know); `short_at` ends every answer after that
+last one at step 1: a server not deterministic alone), "strict" (HTTP 422 for a request that
+carries cache_salt, as a server that refuses fields it does not know), "strict-text" (the same,
+and HTTP 400 for a token-id prompt, checked first); `short_at` ends every answer after that
 many tokens (finish_reason "stop");
 `fail_after` lets that many completions succeed first. Bound to 127.0.0.1 on a free port;
 `stop()` shuts it down.
@@ -209,8 +210,11 @@ class _Handler(BaseHTTPRequestHandler):
         if body["model"] not in state.models:
             self._send(404, {"error": {"message": f"The model `{body['model']}` does not exist.", "code": 404}})
             return
-        if state.mode == "strict" and "cache_salt" in body:  # as a server that refuses unknown fields
-            self._send(400, {"error": {"message": "Unrecognized request argument supplied: cache_salt"}})
+        if state.mode == "strict-text" and isinstance(body["prompt"], list):  # checked first: ids, then fields
+            self._send(400, {"error": {"message": "prompt: Input should be a valid string"}})
+            return
+        if state.mode in ("strict", "strict-text") and "cache_salt" in body:  # refuses fields it does not know
+            self._send(422, {"detail": [{"loc": ["body", "cache_salt"], "msg": "Extra inputs are not permitted"}]})
             return
         with state.lock:
             state.bodies.append(body)

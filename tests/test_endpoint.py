@@ -358,7 +358,20 @@ def test_the_batch_axis_stays_cold_on_a_server_whose_prefix_cache_is_on(tmp_path
     assert summary["solo_repeat"]["deterministic"] is False
     manifest = json.loads((tmp_path / "warm" / "manifest.json").read_text())
     assert manifest["endpoint"]["cold_requests"] == "as the server caches (cache_salt refused)"
-    assert any("cache_salt refused (Unrecognized request argument" in note for note in manifest["endpoint"]["notes"])
+    assert any(note.startswith("cache_salt refused") for note in manifest["endpoint"]["notes"])
+
+
+def test_a_server_refusing_token_ids_and_cache_salt_is_audited_with_text_unsalted(tmp_path):
+    """The two refusals of the first completion, token ids first (a 400 naming the prompt), then
+    cache_salt (a 422 whose detail names it): both are met, each said in the manifest."""
+    with StubServer(StubState(mode="strict-text")) as server:
+        result = flips(server.url, tmp_path / "run")
+        bodies = list(server.state.bodies)
+    assert result.exit_code == 0, result.output
+    endpoint = json.loads((tmp_path / "run" / "manifest.json").read_text())["endpoint"]
+    assert endpoint["prompt_format"] == "text" and endpoint["cold_requests"].endswith("(cache_salt refused)")
+    assert [note.split(" (")[0] for note in endpoint["notes"]] == ["token-id prompts refused", "cache_salt refused"]
+    assert bodies and all(isinstance(b["prompt"], str) and "cache_salt" not in b for b in bodies)
 
 
 def test_repeat_axis_catches_a_load_answered_otherwise_the_second_time_and_passes_without_it(tmp_path):

@@ -25,7 +25,7 @@ from mgbench.assets import datasets
 from mgbench.cli import app
 from mgbench.engines.endpoint.local_server import LocalServer
 
-pytestmark = pytest.mark.server  # every test here talks to a real server the session starts (conftest)
+pytestmark = pytest.mark.server  # every test here talks to a real server (conftest starts it on first use)
 
 runner = CliRunner()
 # 2 requests of 8 tokens, one concurrent pair: on vLLM's CPU build on 2 cores (AVX2 EPYC) a request

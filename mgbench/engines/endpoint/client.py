@@ -230,24 +230,24 @@ class EndpointClient:
         """Discover the server and check, with one short completion, that it takes token-id
         prompts (else text, said in the manifest) and returns top-k logprobs by token id."""
         info = await self.discover()
-        response = await self._request(
-            "POST", "/completions", "the first completion", json=self._body(info, first_prompt, 2)
-        )
-        if response.status_code == 400 and "cache_salt" in server_message(response):
-            info.salt_refused = True
-            info.notes.append(
-                f"cache_salt refused ({server_message(response)[:120]}): a request repeated may be "
-                "answered from the server's prefix cache, if it has one on"
-            )
+        for _ in range(3):  # a refused cache_salt and refused token ids, in whichever order they come
+            prompt = first_prompt if info.prompt_format == "token-ids" else prompt_text
             response = await self._request(
-                "POST", "/completions", "the first completion", json=self._body(info, first_prompt, 2)
+                "POST", "/completions", "the first completion", json=self._body(info, prompt, 2)
             )
-        if response.status_code == 400 and _refuses_token_ids(server_message(response)):
-            info.prompt_format = "text"
-            info.notes.append(f"token-id prompts refused ({server_message(response)[:120]}): prompts sent as text")
-            response = await self._request(
-                "POST", "/completions", "the first completion", json=self._body(info, prompt_text, 2)
-            )
+            if response.status_code not in (400, 422):
+                break
+            if info.takes_cache_salt and "cache_salt" in response.text:  # the whole body: pydantic lists fields
+                info.salt_refused = True
+                info.notes.append(
+                    f"cache_salt refused ({server_message(response)[:120]}): a request repeated may be "
+                    "answered from the server's prefix cache, if it has one on"
+                )
+            elif info.prompt_format == "token-ids" and _refuses_token_ids(server_message(response)):
+                info.prompt_format = "text"
+                info.notes.append(f"token-id prompts refused ({server_message(response)[:120]}): prompts sent as text")
+            else:
+                break
         self._parse(response, "the first completion", info)
         self.info = info
         return info

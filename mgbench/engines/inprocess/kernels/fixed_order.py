@@ -9,8 +9,8 @@ promise), not stock solo decoding (what `--batch-invariant` reproduces, at solo 
   row and query), in float32; the softmax's max is order-free; P@V and its denominator are summed
   within each chunk by one fixed-shape product (the values carry a ones column), then across
   chunks by a sequential scan (cumsum) from
-  position 0, so keys past a row's end (masked, exact zeros) never reorder its sums. Queries of a
-  multi-token forward are folded into the items: each takes exactly a decode step's reductions.
+  position 0, so keys past a row's end (masked, exact zeros) never reorder its sums. A multi-token
+  forward runs its queries one at a time, each with a decode step's per-item products and reductions.
 - Row-wise modules (linear layers, the lm_head, norms, ...) in the first form the probe found exact
   on this machine, in this order: as they are; "never one row" (a one-row input runs as two
   identical rows, where every row count from 2 up equals two); chunks of at most T rows; tiles of
@@ -57,9 +57,9 @@ def fixed_order_attention(
     heads, q = query.shape[1], query.shape[2]
     hiding, visible = masks if masks is not None else key_masks(positions, n, chunk, window)
     if q > 1:
-        # One query token at a time: each is then the very call a decode step makes (its products'
-        # items and shapes), and K/V are not copied once per query token (expanded over q, a
-        # replay window of 64 tokens copied the cache 64 times: most of a packed replay's time).
+        # One query token at a time: each makes a decode step's products (the same item shapes; the
+        # chunks past its position are masked zeros), and K/V are not copied once per query token
+        # (expanded over q, a packed replay window of 64 tokens copied the cache 64 times).
         return torch.cat(
             [
                 fixed_order_attention(
@@ -82,7 +82,7 @@ def fixed_order_attention(
     # exact when it is a power of two, as 1/sqrt(head_dim) is for head_dim 64 or 256.
     qf = (query.float() * scaling).view(batch, kv_heads, group, q, head_dim).permute(0, 3, 1, 2, 4)
     qe = qf.unsqueeze(0).expand(n, batch, q, kv_heads, group, head_dim).reshape(items, group, head_dim)
-    ke = keys.reshape(items, head_dim, chunk)  # q = 1: views of the cache, no copy
+    ke = keys.reshape(items, head_dim, chunk)  # q = 1: a view of a contiguous cache (a row's slice is copied)
     ve = values.reshape(items, chunk, width)
     scores = torch.bmm(qe, ke).view(n, batch, q, kv_heads, group, chunk)
     if softcap is not None:
