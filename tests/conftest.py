@@ -37,10 +37,26 @@ def math500_prefills(default_lm, math500_prompts):
         return row_prefills(default_lm.model, [torch.tensor(p) for p in math500_prompts])
 
 
+@pytest.fixture(scope="session")
+def default_model_run(tmp_path_factory):
+    """The run directory of `default_model_flips_args("alone")`, run in-process once: recomputed
+    from plain HF calls by test_independent_figures, and run again in a fresh process by
+    test_cli's end-to-end test, which must write the same bytes."""
+    from helpers import default_model_flips_args
+    from typer.testing import CliRunner
+
+    from mgbench.cli import app
+
+    out = tmp_path_factory.mktemp("default-model-run") / "run"
+    result = CliRunner().invoke(app, default_model_flips_args("alone", out))
+    assert result.exit_code == 0, result.output
+    return out
+
+
 # Markers say what a test costs (pyproject.toml): a test that asks for the real default model is
 # marked slow here; one that loads it some other way (a CLI run on the default model) without the
 # mark fails, naming the marker it lacks.
-MODEL_FIXTURES = {"default_lm", "math500_prompts", "math500_prefills"}
+MODEL_FIXTURES = {"default_lm", "math500_prompts", "math500_prefills", "default_model_run"}
 _running = {"slow": True}
 
 
@@ -136,17 +152,19 @@ def default_tokenizer():
     return tokenizer
 
 
-TINY_VOCAB = 4096
+# 2,048 ids: against 4,096, the tiny-model tests of test_replay, test_compare, test_fixed_order,
+# test_verify and test_gate took 68-72 s instead of 74-88 s in paired runs on a 2-core AVX2 EPYC.
+TINY_VOCAB = 2048
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_tokenizer):
     """A random-init Llama with the default model's tokenizer cut to its first TINY_VOCAB ids
     (mgbench.assets.trimmed_tokenizer: the same chat template and special ids, every text still
-    encodes), saved as a local model folder. A tiny model's cost is its vocabulary-wide head: at
-    49,152 ids a whole compare took 90 s on 2 cores. Planted near-tie rows put every step's top-2
-    within about 0.012 logit; whether this machine's batched kernels turn that into flips is
-    measured, never assumed."""
+    encodes, in more tokens), saved as a local model folder. A tiny model's cost is its
+    vocabulary-wide head: at 49,152 ids a whole compare took 90 s on 2 cores. Planted near-tie
+    rows put every step's top-2 within about 0.012 logit; whether this machine's batched kernels
+    turn that into flips is measured, never assumed."""
     folder = tmp_path_factory.mktemp("tiny-model")
     from helpers import plant_near_ties, tiny_llama
 
@@ -187,7 +205,7 @@ def planted_compare_run(planted_model_dir, tmp_path_factory):
     configuration, 2 timed repeats: plain batched decoding flips at every multi-row step (certain on
     any machine), so the repairs and the invariant modes have something to restore. One run for
     the harness's tests and the output-format tests: its fixed-order probe and packed replays push
-    N x W rows through the head (about 20 s on 2 cores at the tiny model's 4,096 ids)."""
+    N x W rows through the head (about 12 s on 2 cores at the tiny model's 2,048 ids)."""
     import json
 
     from typer.testing import CliRunner

@@ -397,3 +397,9 @@ def vllm_venv_ready() -> None:
 
     if not (VLLM_VENV / "bin" / "python").exists():
         pytest.fail(f"no vLLM venv at {VLLM_VENV}: run `make vllm` (make test does) before these tests")
+
+
+def default_model_flips_args(prefill: str, out) -> list[str]:
+    """`mgbench flips` on the default model: 4 math500 requests (seed 7) in one batch of 4, 12 tokens."""
+    args = ["flips", "--dataset", "math500", "--limit", "4", "--batch-size", "4", "--max-new-tokens", "12"]
+    return [*args, "--prefill", prefill, "--seed", "7", "--out", str(out)]

@@ -253,7 +253,8 @@ class StubServer:
         ThreadingHTTPServer.allow_reuse_address = True  # a restart on the same port (resume tests)
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)
         self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # shutdown() waits for the serve loop's next poll: 0.5 s by default, at every stub's stop
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
 
     @property
     def url(self) -> str:

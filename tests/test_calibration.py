@@ -240,7 +240,9 @@ def test_calibrate_on_planted_flips_puts_tau_above_every_flip(tmp_path, monkeypa
 
     plant_every_loaded_model(monkeypatch, delta=0.5)
     monkeypatch.setenv("MGBENCH_TRACES", str(tmp_path / "traces"))
-    audit = ["calibrate", "--dataset", "math500", "--limit", "4", "--batch-size", "4", "--max-new-tokens", "12"]
+    # 3 requests x 8 steps per dataset: 18% of the default model's math500 steps have a margin
+    # below 0.5 (reports/example/runs/flips-plain), and 15 of its 16 requests one in their first 8.
+    audit = ["calibrate", "--dataset", "math500", "--limit", "3", "--batch-size", "3", "--max-new-tokens", "8"]
     audit += ["--transfer", "gsm8k"]
     result = runner.invoke(app, [*audit, "--out", str(tmp_path / "a")])
     assert result.exit_code == 0, result.output

@@ -8,6 +8,7 @@ import sys
 import pandas as pd
 import pytest
 import reference
+from helpers import default_model_flips_args
 from typer.testing import CliRunner
 
 from mgbench.cli import app
@@ -82,42 +83,21 @@ def test_listings():
     assert listing.exit_code == 0 and "sharegpt" in listing.output
 
 
-def run_flips(out):
-    command = [
-        sys.executable,
-        "-m",
-        "mgbench",
-        "flips",
-        "--model",
-        "smollm2-135m",
-        "--dataset",
-        "gsm8k",
-        "--limit",
-        "3",
-        "--batch-size",
-        "3",
-        "--max-new-tokens",
-        "10",
-        "--out",
-        str(out),
-    ]
+@pytest.mark.slow
+def test_flips_end_to_end_on_default_model_is_reproducible(default_model_run, tmp_path):
+    """The command a user types, in a fresh process: the contract's files, and the bytes of the same
+    run made in-process (conftest's default_model_run: same inputs, same environment)."""
+    command = [sys.executable, "-m", "mgbench", *default_model_flips_args("alone", tmp_path / "a")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    return done
-
-
-@pytest.mark.slow
-def test_flips_end_to_end_on_default_model_is_reproducible(tmp_path):
-    first = run_flips(tmp_path / "a")
-    assert "flip rate" in first.stdout
-    run_flips(tmp_path / "b")
+    assert "flip rate" in done.stdout
     steps_a = pd.read_parquet(tmp_path / "a" / "steps.parquet")
     assert set(STEP_COLUMNS) <= set(steps_a.columns)
     assert len(steps_a) > 0
-    for table in ("steps.parquet", "sequences.parquet"):  # same inputs, same environment: same bytes
-        assert (tmp_path / "a" / table).read_bytes() == (tmp_path / "b" / table).read_bytes()
+    for table in ("steps.parquet", "sequences.parquet"):
+        assert (tmp_path / "a" / table).read_bytes() == (default_model_run / table).read_bytes()
     sequences = pd.read_parquet(tmp_path / "a" / "sequences.parquet")
-    assert set(SEQUENCE_COLUMNS) <= set(sequences.columns) and len(sequences) == 3
+    assert set(SEQUENCE_COLUMNS) <= set(sequences.columns) and len(sequences) == 4
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert set(SUMMARY_KEYS) <= set(summary)
     assert summary["steps"] == len(steps_a) and summary["flips"] == int(steps_a["flipped"].sum())

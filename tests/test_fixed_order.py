@@ -328,15 +328,17 @@ def test_default_model_fixed_order_is_bitwise_its_solo_reference(default_lm, mat
 
 @pytest.mark.slow
 def test_default_model_fixed_order_is_bitwise_at_batch_8_32_and_64_on_unequal_prompts(default_lm):
-    """The real model and 64 real MATH500 prompts cut to unequal lengths (16-55 tokens), probed at 64
+    """The real model and 64 real MATH500 prompts cut to unequal lengths (8-39 tokens), probed at 64
     rows: every teacher-forced logit row at batch 8, 32 and 64 equals its fixed-order solo bitwise,
-    and the free-running tokens at 64 too, whatever forms and tile size the probe chose here (printed)."""
+    and the free-running tokens at 64 too, whatever forms and tile size the probe chose here (printed).
+    The prompts' 64 stock prefills alone are most of the test's time (bf16 at about 17 GFLOP/s on
+    an AVX2 CPU): what is checked is the decode steps' row count, so the prompts stay short."""
     from mgbench.assets import datasets
 
     config = datasets.load_config("math500")
     records = datasets.read_records(config)[:64]
     prompts = [
-        torch.tensor(datasets.encode(default_lm.tokenizer, config, datasets.prompt_text(config, r))[: 16 + 7 * i % 40])
+        torch.tensor(datasets.encode(default_lm.tokenizer, config, datasets.prompt_text(config, r))[: 8 + 7 * i % 32])
         for i, r in enumerate(records)
     ]
     model = default_lm.model

@@ -16,13 +16,13 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from helpers import plain_solo, plain_teacher_forced
+from helpers import default_model_flips_args, plain_solo, plain_teacher_forced
 from typer.testing import CliRunner
 
 from mgbench.cli import app
 from mgbench.engines.inprocess.metrics import bf16_ulp
 
-STEPS = 12
+STEPS = 12  # the run's (helpers.default_model_flips_args)
 REQUESTS = 4
 TOP_K = 5  # the run's drift compares the top-5 logprobs (metrics.TOP_LOGPROBS), as an endpoint would
 
@@ -99,13 +99,15 @@ def own_kv_deltas(batched_cache, solo_cache, row: int, pad: int, start: int, cou
 # prefill of 4 math500 prompts, about 60 s on an AVX2 EPYC's 2 cores) is in `make test-full`. Every
 # run, test_engine.py (batched-padded) recomputes a padded batched prefill's logit differences and
 # flips on a tiny model; its margins in ulps, drift and K/V deltas only here.
+# The alone run is conftest's default_model_run (test_cli runs it again in a fresh process).
 @pytest.fixture(scope="module", params=["alone", pytest.param("batched", marks=pytest.mark.full)])
 def recorded(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"independent-{request.param}") / "run"
-    args = ["flips", "--dataset", "math500", "--limit", str(REQUESTS), "--batch-size", str(REQUESTS)]
-    args += ["--max-new-tokens", str(STEPS), "--prefill", request.param, "--seed", "7", "--out", str(out)]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
+    if request.param == "alone":
+        out = request.getfixturevalue("default_model_run")
+    else:
+        out = tmp_path_factory.mktemp(f"independent-{request.param}") / "run"
+        result = CliRunner().invoke(app, default_model_flips_args(request.param, out))
+        assert result.exit_code == 0, result.output
     return request.param, pd.read_parquet(out / "steps.parquet"), pd.read_parquet(out / "sequences.parquet")
 
 

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.server  # every test here talks to a real server (conft
 
 runner = CliRunner()
 # 2 requests of 8 tokens, one concurrent pair: on vLLM's CPU build on 2 cores (AVX2 EPYC) a request
-# takes about 2.5 s, mostly its prefill, and the session's three-axis audit sends each one 7 times;
+# takes about 1.4 s, mostly its prefill, and the session's three-axis audit sends each one 7 times;
 # divergence, margins and drift are compared per request and step, whatever the count.
 REQUESTS, TOKENS = 2, 8
 
