@@ -11,7 +11,10 @@
 # --prefix-caching turns vLLM's prefix cache on, for `mgbench flips --axes prefix-cache`).
 # Environment: MGBENCH_VLLM_VENV (default .venv-vllm, from `make vllm`), MGBENCH_PYTHON (the
 # mgbench venv's python, default .venv/bin/python), MGBENCH_MODEL_DIR (serve another folder),
-# VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, default 2), VLLM_CPU_NUM_OF_RESERVED_CPU (default 0).
+# VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, default 2). vLLM's own CPU binding is kept: on a few cores
+# it keeps one for its API server, so on 2 cores the engine decodes on one; VLLM_CPU_NUM_OF_RESERVED_CPU=0
+# gives it both (on the 2-core AVX2 EPYC 1.4x to 1.8x faster, and no longer batch-invariant there:
+# docs/engines.md).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PORT="${1:-8000}"
@@ -27,10 +30,6 @@ if [[ -z "${MGBENCH_MODEL_DIR:-}" ]]; then
   MGBENCH_MODEL_DIR="$("$MGBENCH_PYTHON" -c 'from mgbench.assets.models import resolve_source; print(resolve_source("smollm2-135m"))')"
 fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
-# vLLM keeps a core of its own for the API server unless told otherwise: on 2 cores its engine then
-# decodes on one. An audit's client waits on every answer, so the engine gets every core (on a 2-core
-# AVX2 EPYC a 93-token request of 8 tokens: 2.5 s on one core, 1.4 s on both).
-export VLLM_CPU_NUM_OF_RESERVED_CPU="${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}"
 # Prefix caching off unless --prefix-caching (vLLM's own default is on). mgbench's audit is cold
 # either way: every request it means to compute afresh carries a cache_salt of its own, which vLLM
 # hashes into each cached block, and only its prefix-cache axis's warm pair shares one. Off, a
