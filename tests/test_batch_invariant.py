@@ -178,8 +178,9 @@ def test_probe_command_writes_probe_json(tiny_model_dir, tmp_path):
     assert bad.exit_code == 2 and "--rows must be at least 2" in bad.stderr and not (tmp_path / "r").exists()
 
 
-# 8 steps of 4 prompts: about 3 s a step of the test's passes together on 2 AVX2 cores (bf16
-# without bf16 instructions), most of it the independent recomputation's and the solo lanes'.
+# 8 steps of 4 prompts: a step costs the test's passes together (solo, plain, batch-invariant,
+# free-running, the independent recomputation) about 1.6 s on 2 AVX2 cores, bf16 without bf16
+# instructions (16 steps: 35 s, 8 steps: 22 s).
 STEPS = 8
 
 
